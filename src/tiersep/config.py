@@ -1,0 +1,222 @@
+"""Load, validate and resolve the pipeline config and presets.
+
+The JSON schemas in workflow/schemas/ are the single home of every default: this module fills them in
+while validating, so the rest of the code reads `cfg["evaluate"]["overlap"]` and never states a
+default of its own. Errors name the file, the key and what is allowed, on one line.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator, validators
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The schemas live once, in workflow/schemas; found from a source checkout or the working directory.
+SCHEMA_DIRS = (PACKAGE_DIR.parents[1] / "workflow" / "schemas", Path.cwd() / "workflow" / "schemas")
+
+
+class ConfigError(ValueError):
+    """A config or preset that does not validate; the message is one line for the user."""
+
+
+def _schema_path(name: str) -> Path:
+    for folder in SCHEMA_DIRS:
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"schema {name} not found in {', '.join(map(str, SCHEMA_DIRS))}")
+
+
+def load_schema(name: str) -> dict:
+    return yaml.safe_load(_schema_path(name).read_text())
+
+
+def _with_defaults(validator_class):
+    """A validator that writes each property's `default` into the instance before validating it."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return validators.extend(validator_class, {"properties": set_defaults})
+
+
+_DefaultingValidator = _with_defaults(Draft202012Validator)
+
+
+def _describe(error) -> str:
+    """'key.sub[2]: <what is wrong> (allowed: ...)' for one jsonschema error."""
+    where = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in error.absolute_path)
+    where = where.replace(".[", "[") or "(top level)"
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        return f"{where}: unknown key {', '.join(map(repr, extra))} (allowed keys: {', '.join(allowed)})"
+    allowed = []
+    for bound in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        if bound in schema:
+            allowed.append(f"{bound} {schema[bound]}")
+    if "enum" in schema:
+        allowed.append("one of " + ", ".join(map(str, schema["enum"])))
+    hint = f" (allowed: {'; '.join(allowed)})" if allowed and error.validator not in ("enum",) else ""
+    if error.validator == "oneOf" and "description" in schema:
+        hint = f" (allowed: {schema['description'].strip()})"
+    return f"{where}: {error.message}{hint}"
+
+
+def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
+    """Validate `instance` in place against a schema, filling defaults; raise ConfigError."""
+    if instance is None:
+        instance = {}
+    if not isinstance(instance, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(instance).__name__}")
+    validator = _DefaultingValidator(load_schema(schema_name))
+    errors = sorted(validator.iter_errors(instance), key=lambda e: (len(e.path), list(map(str, e.path))))
+    if errors:
+        raise ConfigError(f"{source}: {_describe(errors[0])}")
+    return instance
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """Read, validate and default-fill a pipeline config file."""
+    path = Path(path)
+    cfg = _read_yaml(path) or {}
+    if overrides:
+        cfg = deep_merge(cfg, overrides)
+    cfg = validate(cfg, "config.schema.yaml", path)
+    cfg["_source"] = str(path)
+    check_config(cfg)
+    return cfg
+
+
+def validate_config(cfg: dict, source: str) -> dict:
+    """Validate an already-loaded config dict (as Snakemake holds it) and resolve its presets."""
+    cfg = {k: v for k, v in copy.deepcopy(cfg).items() if not k.startswith("_")}
+    cfg = validate(cfg, "config.schema.yaml", source)
+    cfg["_source"] = source
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: dict) -> None:
+    """Cross-field checks the schema cannot express; every preset named must load."""
+    source = cfg.get("_source", "config")
+    data = cfg["data"]
+    if data["source"] in ("musdb18hq", "musdb18") and not data["root"]:
+        raise ConfigError(f"{source}: data.root: required when data.source is {data['source']} "
+                          "(the folder holding train/ and test/)")
+    synth = data["synthetic"]
+    if synth["valid_tracks"] >= synth["train_tracks"]:
+        raise ConfigError(f"{source}: data.synthetic.valid_tracks: must be below train_tracks "
+                          f"({synth['train_tracks']})")
+    for name in all_preset_names(cfg):
+        load_preset(name, cfg)
+
+
+def all_preset_names(cfg: dict) -> list[str]:
+    names = list(cfg["tiers"]) + [t for t in cfg["estimate_tiers"] if t not in cfg["tiers"]]
+    if cfg.get("sweep"):
+        names += [p for p in cfg["sweep"]["presets"] if p not in names]
+    return names
+
+
+def preset_path(name: str, cfg: dict | None = None) -> Path:
+    """A preset name resolves to <presets_dir>/<name>.yaml; a path to a .yaml file is taken as is."""
+    if name.endswith((".yaml", ".yml")) or "/" in name:
+        return Path(name)
+    presets_dir = Path(cfg["presets_dir"]) if cfg else Path("config/presets")
+    return presets_dir / f"{name}.yaml"
+
+
+def load_preset(name: str, cfg: dict | None = None) -> dict:
+    """Load a preset by name (or path), validate it and fill its defaults."""
+    path = preset_path(name, cfg)
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        raise ConfigError(f"{path}: preset {name!r} not found (known presets: {', '.join(known) or 'none'})")
+    preset = validate(_read_yaml(path), "preset.schema.yaml", path)
+    check_preset(preset, path)
+    return preset
+
+
+def check_preset(preset: dict, source: str | Path) -> None:
+    audio, model, train = preset["audio"], preset["model"], preset["train"]
+    if audio["hop"] > audio["n_fft"]:
+        raise ConfigError(f"{source}: audio.hop: {audio['hop']} exceeds audio.n_fft {audio['n_fft']}")
+    if audio["segment_samples"] < audio["n_fft"]:
+        raise ConfigError(f"{source}: audio.segment_samples: {audio['segment_samples']} is shorter "
+                          f"than audio.n_fft {audio['n_fft']}")
+    if model["attention_dim"] % model["n_heads"]:
+        raise ConfigError(f"{source}: model.attention_dim: {model['attention_dim']} is not divisible "
+                          f"by model.n_heads {model['n_heads']}")
+    if (model["attention_dim"] // model["n_heads"]) % 2:
+        raise ConfigError(f"{source}: model.attention_dim: head size "
+                          f"{model['attention_dim'] // model['n_heads']} must be even (RoPE)")
+    if model["emb_dim"] % model["norm_groups"]:
+        raise ConfigError(f"{source}: model.norm_groups: {model['norm_groups']} does not divide "
+                          f"model.emb_dim {model['emb_dim']}")
+    if train["augment"]["gain_min"] > train["augment"]["gain_max"]:
+        raise ConfigError(f"{source}: train.augment.gain_min: above gain_max")
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def set_field(preset: dict, dotted: str, value: Any) -> dict:
+    """Return a copy of `preset` with `section.field` set (used by sweeps and fit)."""
+    out = copy.deepcopy(preset)
+    section, field = dotted.split(".", 1)
+    node = out[section]
+    *parents, leaf = field.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return out
+
+
+def preset_hash(preset: dict) -> str:
+    return hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def budget_bytes(cfg: dict, override_gib: float | None = None) -> int | None:
+    """The fit-gate budget in bytes: a number of GiB, or auto = free memory of the visible GPU."""
+    value = override_gib if override_gib is not None else cfg["budget_gib"]
+    if value == "auto":
+        try:
+            import torch
+            if torch.cuda.is_available():
+                free, _total = torch.cuda.mem_get_info()
+                return int(free)
+        except Exception:  # no driver, no device: no budget
+            pass
+        return None
+    return int(float(value) * 2**30)
+
+
+def dump_preset(preset: dict) -> str:
+    return yaml.safe_dump(preset, sort_keys=False)

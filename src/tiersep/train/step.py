@@ -1,0 +1,60 @@
+"""One optimisation step, shared by the trainer and the memory estimator.
+
+The estimator traces exactly this code on fake tensors, so what it predicts is what the trainer
+runs: keep every allocation of a training step here (autocast, accumulation, clipping, AdamW).
+Nothing here calls .item() or syncs: callers read the returned tensors when they need numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable
+
+import torch
+
+
+def autocast(preset: dict, device_type: str):
+    """bf16 autocast when the preset asks for it (norms, RoPE and STFT opt out inside the model)."""
+    if preset["train"]["precision"] == "bf16":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_optimizer(model: torch.nn.Module, preset: dict, device_type: str) -> torch.optim.AdamW:
+    """AdamW as the trainer uses it; foreach (multi-tensor) on CUDA as torch defaults there."""
+    t = preset["train"]
+    return torch.optim.AdamW(
+        model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"], betas=tuple(t["betas"]),
+        foreach=(device_type == "cuda"),
+    )
+
+
+def train_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    preset: dict,
+    device_type: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward every micro-batch (mixture [B, C, S], stems [B, n_src, C, S]), clip, step.
+
+    The loss of each micro-batch is divided by the number of micro-batches, so accumulating
+    `grad_accum` micro-batches of size b gives the gradient of one batch of size b*grad_accum.
+    Returns (mean loss, gradient norm before clipping) as 0-dim tensors.
+    """
+    micro_batches = list(micro_batches)
+    n = len(micro_batches)
+    optimizer.zero_grad(set_to_none=True)
+    total = None
+    for mixture, stems in micro_batches:
+        with autocast(preset, device_type):
+            estimates = model(mixture)
+        loss = loss_fn(estimates.float(), stems) / n
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    params = [p for p in model.parameters() if p.grad is not None]
+    clip = preset["train"]["clip"]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"),
+                                               foreach=(device_type == "cuda"))
+    optimizer.step()
+    return total, grad_norm
