@@ -23,6 +23,10 @@ SCHEMA_DIRS = (PACKAGE_DIR.parents[1] / "workflow" / "schemas", Path.cwd() / "wo
 class ConfigError(ValueError):
     """A config or preset that does not validate; the message is one line for the user."""
 
+    def __init__(self, message: str, key_path: tuple = ()):
+        super().__init__(message)
+        self.key_path = key_path
+
 
 def _schema_path(name: str) -> Path:
     for folder in SCHEMA_DIRS:
@@ -82,7 +86,7 @@ def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
     validator = _DefaultingValidator(load_schema(schema_name))
     errors = sorted(validator.iter_errors(instance), key=lambda e: (len(e.path), list(map(str, e.path))))
     if errors:
-        raise ConfigError(f"{source}: {_describe(errors[0])}")
+        raise ConfigError(f"{source}: {_describe(errors[0])}", tuple(errors[0].absolute_path))
     return instance
 
 
@@ -107,13 +111,29 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     return cfg
 
 
-def validate_config(cfg: dict, source: str) -> dict:
-    """Validate an already-loaded config dict (as Snakemake holds it) and resolve its presets."""
+def validate_config(cfg: dict, files: list[str | Path]) -> dict:
+    """Validate a config dict merged from `files` (as Snakemake holds it); errors name the file
+    that set the offending key (the last one that has it)."""
     cfg = {k: v for k, v in copy.deepcopy(cfg).items() if not k.startswith("_")}
-    cfg = validate(cfg, "config.schema.yaml", source)
-    cfg["_source"] = source
+    try:
+        cfg = validate(cfg, "config.schema.yaml", " + ".join(map(str, files)))
+    except ConfigError as err:
+        owner = next((f for f in reversed(files) if _has_key(_read_yaml(Path(f)), err.key_path)), None)
+        if owner is None:
+            raise
+        raise ConfigError(f"{owner}{str(err).split(' + '.join(map(str, files)), 1)[1]}", err.key_path) from None
+    cfg["_source"] = str(files[-1])
     check_config(cfg)
     return cfg
+
+
+def _has_key(node: Any, key_path: tuple) -> bool:
+    for part in key_path:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return bool(key_path) or node is not None
 
 
 def check_config(cfg: dict) -> None:

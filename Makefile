@@ -1,0 +1,45 @@
+# Two commands on a fresh machine (see README.md):
+#   make run    set up, then run the embedded default pipeline to results/report/index.html
+#   make test   set up (with the test extras and the system packages the tests use), then run pytest
+# The virtual environment lives in .venv; PYTHON picks the interpreter that creates it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SNAKEMAKE_ARGS ?= --cores 1 --resources gpu=1
+PYTEST_ARGS ?=
+
+.PHONY: run test setup setup-test system-deps test-system-deps report clean
+
+run: setup
+	$(BIN)/snakemake $(SNAKEMAKE_ARGS)
+
+report: setup
+	$(BIN)/snakemake $(SNAKEMAKE_ARGS) report
+
+test: setup-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+setup: system-deps $(VENV)/.installed
+
+setup-test: setup test-system-deps $(VENV)/.installed-test
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cluster]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[cluster,test]'
+	touch $@
+
+# musdb and museval import stempeg, which needs ffmpeg and ffprobe on PATH even for wav files.
+system-deps:
+	@sh workflow/scripts/system-deps.sh ffmpeg
+
+# The report test drives a real headless Chromium; the cluster test starts a real SLURM.
+test-system-deps:
+	@sh workflow/scripts/system-deps.sh ffmpeg chromium slurm
+
+clean:
+	rm -rf results logs benchmarks .snakemake data/prepared

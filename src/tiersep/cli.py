@@ -1,0 +1,208 @@
+"""The `tiersep` command: one subcommand per pipeline stage.
+
+Every Snakemake rule is a thin call of one of these; each also works by hand. Stage logic lives in
+the stage subpackages; this module only parses arguments, resolves config and presets, and maps
+failures to exit codes and one-line messages.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from tiersep import config as C
+
+DEFAULT_CONFIG = "config/config.yaml"
+
+EXAMPLES = """\
+stages (what `snakemake` runs, in order):
+  tiersep prepare  --config config/config.yaml --out data/prepared/synthetic/8000 --sample-rate 8000
+  tiersep estimate --config config/config.yaml --preset large --out results/vram/large.json
+  tiersep fit      --config config/config.yaml --preset large --budget 24 --out large_24g.yaml
+  tiersep train    --config config/config.yaml --preset cpu_tiny --data data/prepared/synthetic/8000 --out results/train/cpu_tiny
+  tiersep evaluate --config config/config.yaml --preset cpu_tiny --model results/train/cpu_tiny/model.pt --data data/prepared/synthetic/8000 --out results/eval/cpu_tiny
+  tiersep report   --config config/config.yaml --results results --out results/report
+A preset NAME is a file config/presets/NAME.yaml (the config's presets_dir), a path to a preset YAML,
+or a sweep trial name (see `sweep` in the config).
+"""
+
+
+def _parse_set(text: str) -> tuple[str, object]:
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {text!r}")
+    key, value = text.split("=", 1)
+    return key, yaml.safe_load(value)
+
+
+def resolve_preset(name: str, cfg: dict, sets: list[tuple[str, object]] | None = None) -> dict:
+    """A preset by name, path or sweep-trial name, with --set overrides applied and re-validated."""
+    from tiersep.train.sweep import expand_trials, resolve_trial
+
+    if cfg.get("sweep") and name in expand_trials(cfg):
+        preset = resolve_trial(name, cfg)
+    else:
+        preset = C.load_preset(name, cfg)
+    for key, value in sets or []:
+        try:
+            preset = C.set_field(preset, key, value)
+        except (KeyError, TypeError):
+            raise C.ConfigError(f"--set {key}: no such preset field") from None
+    if sets:
+        preset = C.validate(preset, "preset.schema.yaml", f"{name} (with --set)")
+        C.check_preset(preset, f"{name} (with --set)")
+    return preset
+
+
+def cmd_prepare(args, cfg):
+    from tiersep.data.prepare import prepare
+
+    rate = args.sample_rate or C.load_preset(cfg["tiers"][0], cfg)["audio"]["sample_rate"]
+    prepare(cfg, Path(args.out), rate)
+    return 0
+
+
+def cmd_estimate(args, cfg):
+    from tiersep.io import write_json
+    from tiersep.memory import estimate
+
+    preset = resolve_preset(args.preset, cfg, args.set)
+    record = estimate(
+        preset,
+        method=args.method or cfg["estimate"]["method"],
+        device=args.device or cfg["estimate"]["device"],
+        budget_bytes=C.budget_bytes(cfg, args.budget),
+        safety_margin=cfg["estimate"]["safety_margin"],
+    )
+    write_json(args.out, record)
+    gib = record["peak_bytes"] / 2**30
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
+    print(f"{preset['name']}: peak {gib:.2f} GiB ({record['method']}, {record['device']}, "
+          f"{record['attention_backend']} attention) -> {verdict}; wrote {args.out}")
+    return 0
+
+
+def cmd_fit(args, cfg):
+    from tiersep.io import write_text
+    from tiersep.memory import fit
+
+    preset = resolve_preset(args.preset, cfg, args.set)
+    budget = C.budget_bytes(cfg, args.budget)
+    if budget is None:
+        raise C.ConfigError("--budget: no budget (auto found no GPU); give a number of GiB")
+    fitted, changes = fit(preset, budget, device=args.device or cfg["estimate"]["device"],
+                          safety_margin=cfg["estimate"]["safety_margin"])
+    write_text(args.out, C.dump_preset(fitted))
+    print(f"{preset['name']} -> {fitted['name']} under {budget / 2**30:.1f} GiB:")
+    for change in changes or ["nothing to change: it already fits"]:
+        print(f"  - {change}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_train(args, cfg):
+    from tiersep.train.trainer import train
+
+    preset = resolve_preset(args.preset, cfg, args.set)
+    return train(cfg, preset, Path(args.data), Path(args.out), resume=args.resume,
+                 estimate_path=Path(args.estimate) if args.estimate else None, attempt=args.attempt)
+
+
+def cmd_evaluate(args, cfg):
+    from tiersep.evaluate.run import evaluate
+
+    preset = resolve_preset(args.preset, cfg, args.set)
+    evaluate(cfg, preset, Path(args.model), Path(args.data), Path(args.out))
+    return 0
+
+
+def cmd_report(args, cfg):
+    from tiersep.report import render
+
+    render(cfg, Path(args.results), Path(args.out))
+    print(f"wrote {Path(args.out) / 'index.html'} and {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiersep", description="Train TF-Locoformer separators at several GPU-memory tiers: "
+        "prepare data, estimate peak VRAM, train, evaluate, report.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", default=DEFAULT_CONFIG,
+                       help=f"pipeline config YAML, validated against workflow/schemas (default {DEFAULT_CONFIG})")
+        p.set_defaults(func=func)
+        return p
+
+    def add_preset(p):
+        p.add_argument("--preset", required=True, metavar="NAME",
+                       help="preset name in the config's presets_dir, a preset YAML path, or a sweep trial")
+        p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="SECTION.FIELD=VALUE",
+                       help="override one preset field (repeatable), e.g. --set train.lr=1e-3")
+
+    p = add("prepare", cmd_prepare, "Ingest the configured source (synthetic or MUSDB18), validate it, "
+            "resample it once and write the prepared folder with manifest.json.")
+    p.add_argument("--out", required=True, help="prepared folder, e.g. data/prepared/synthetic/8000")
+    p.add_argument("--sample-rate", type=int, help="target rate (default: the first tier's audio.sample_rate)")
+
+    p = add("estimate", cmd_estimate, "Estimate the peak memory of one training step of a preset and "
+            "judge it against the budget; writes the results/vram JSON record.")
+    add_preset(p)
+    p.add_argument("--out", required=True, help="output JSON, e.g. results/vram/NAME.json")
+    p.add_argument("--method", choices=["trace", "analytic", "measure"],
+                   help="trace: one real step on fake tensors (default from config); analytic: closed form; "
+                   "measure: real steps on the device present")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="device the estimate models (default from config)")
+    p.add_argument("--budget", type=float, metavar="GIB", help="budget in GiB (default: config budget_gib)")
+
+    p = add("fit", cmd_fit, "Derive a variant of a preset that fits a memory budget (segment, micro-batch "
+            "with accumulation, checkpointing, bf16) and write it as a preset YAML.")
+    add_preset(p)
+    p.add_argument("--budget", type=float, required=True, metavar="GIB", help="budget in GiB")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="device the estimate models (default from config)")
+    p.add_argument("--out", required=True, help="output preset YAML")
+
+    p = add("train", cmd_train, "Train one preset in this process (refused before allocating anything "
+            "when the estimate does not fit). Exit codes: 0 done, 3 refused, 4 out of memory, "
+            "75 preempted (checkpoint written; rerun with --resume).")
+    add_preset(p)
+    p.add_argument("--data", required=True, help="prepared folder from `tiersep prepare`")
+    p.add_argument("--out", required=True, help="run folder, e.g. results/train/NAME")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt if present")
+    p.add_argument("--estimate", help="results/vram JSON to gate on (default: estimate now)")
+    p.add_argument("--attempt", type=int, default=1, help="Snakemake attempt number; after an OOM, "
+                   "attempt 2+ halves the micro-batch and doubles accumulation")
+
+    p = add("evaluate", cmd_evaluate, "Separate every test track with a trained model (chunked "
+            "overlap-add) and score it: SI-SDR and museval BSSEval v4 (SiSEC medians).")
+    add_preset(p)
+    p.add_argument("--model", required=True, help="model.pt from `tiersep train`")
+    p.add_argument("--data", required=True, help="prepared folder")
+    p.add_argument("--out", required=True, help="output folder, e.g. results/eval/NAME")
+
+    p = add("report", cmd_report, "Render the comparison report (index.html, report.md) from whatever "
+            "results exist.")
+    p.add_argument("--results", default="results", help="results folder (default results)")
+    p.add_argument("--out", required=True, help="report folder, e.g. results/report")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = C.load_config(args.config)
+        return args.func(args, cfg) or 0
+    except C.ConfigError as err:
+        print(f"tiersep {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Shared fixtures: a throw-away copy of the workflow to run the real `snakemake` in."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv's bin: snakemake and tiersep live next to python
+TINY_CONFIG = REPO / "tests" / "configs" / "tiny.yaml"
+
+
+def copy_workflow(dest: Path) -> Path:
+    """Copy what a run needs (Snakefile, workflow/, config/, profiles/, tests/configs) into dest."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "Snakefile", dest / "Snakefile")
+    for folder in ("workflow", "config", "profiles"):
+        if (REPO / folder).is_dir():
+            shutil.copytree(REPO / folder, dest / folder)
+    shutil.copytree(REPO / "tests" / "configs", dest / "tests" / "configs")
+    return dest
+
+
+def run_snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None = None,
+                  check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real snakemake CLI in `workdir`; returns the completed process (stdout+stderr)."""
+    full_env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=workdir, env=full_env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
+    return proc
+
+
+@pytest.fixture
+def workflow_copy(tmp_path: Path) -> Path:
+    return copy_workflow(tmp_path / "wf")

@@ -1,0 +1,92 @@
+"""Config and preset validation: defaults from the schema, one-line errors naming file and key."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tiersep import config as C
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, data, name="config.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def base_config(tmp_path):
+    return {"presets_dir": str(REPO / "config" / "presets"), "tiers": ["cpu_tiny"], "estimate_tiers": []}
+
+
+def test_default_config_loads_and_fills_defaults():
+    cfg = C.load_config(REPO / "config" / "config.yaml")
+    assert cfg["data"]["source"] == "synthetic"
+    assert cfg["evaluate"]["max_tracks"] is None  # filled from the schema
+    assert cfg["estimate"]["method"] == "trace"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "config" / "presets").glob("*.yaml")))
+def test_every_shipped_preset_validates(name):
+    preset = C.load_preset(name, {"presets_dir": str(REPO / "config" / "presets")})
+    assert preset["name"] == name
+    assert preset["train"]["loss"]["time_l1"] == 1.0  # nested default filled
+
+
+def test_seed_presets_match_the_design():
+    """The five seed tiers of DESIGN.md, field by field."""
+    table = {  # segment, n_fft, hop, layers, emb, heads, ffn, batch, accum, precision, groups
+        "ultra_safe": (132300, 2048, 512, 4, 96, 4, 384, 1, 4, "bf16", 4),
+        "small": (88200, 1024, 256, 3, 48, 4, 192, 1, 1, "bf16", 4),
+        "memory_optimized": (220500, 2048, 512, 6, 128, 8, 512, 1, 1, "bf16", 8),
+        "large": (441000, 4096, 1024, 8, 192, 12, 768, 1, 8, "fp32", 4),
+        "xlarge": (661500, 4096, 1024, 12, 256, 16, 1024, 8, 2, "bf16", 8),
+    }
+    for name, want in table.items():
+        p = C.load_preset(name, {"presets_dir": str(REPO / "config" / "presets")})
+        a, m, t = p["audio"], p["model"], p["train"]
+        got = (a["segment_samples"], a["n_fft"], a["hop"], m["n_layers"], m["emb_dim"], m["n_heads"],
+               m["ffn_hidden"], t["batch_size"], t["grad_accum"], t["precision"], m["norm_groups"])
+        assert got == want, name
+        assert (m["conv_kernel"], m["conv_stride"], m["dropout"]) == (4, 1, 0.1)
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({"tiers": "cpu_tiny"}, "tiers: 'cpu_tiny' is not of type 'array'"),
+    ({"budget_gib": -3}, "budget_gib:"),
+    ({"evaluate": {"overlap": 0.9}}, "evaluate.overlap: 0.9 is greater than the maximum of 0.75"),
+    ({"evaluate": {"chunk": 3}}, "evaluate: unknown key 'chunk'"),
+    ({"colour": "red"}, "(top level): unknown key 'colour'"),
+    ({"data": {"source": "youtube"}}, "data.source: 'youtube' is not one of"),
+    ({"data": {"source": "musdb18hq"}}, "data.root: required when data.source is musdb18hq"),
+    ({"tiers": ["nope"]}, "preset 'nope' not found"),
+])
+def test_bad_config_gives_one_line_error_naming_file_and_key(tmp_path, patch, expected):
+    path = write(tmp_path, C.deep_merge(base_config(tmp_path), patch))
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(str(path) if "preset" not in expected else "")
+    assert expected in message
+
+
+def test_bad_preset_names_preset_file_and_field(tmp_path):
+    preset = yaml.safe_load((REPO / "config/presets/cpu_tiny.yaml").read_text())
+    preset["model"]["n_heads"] = 3  # 16 is not divisible by 3
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(preset))
+    with pytest.raises(C.ConfigError, match=r"bad.yaml: model.attention_dim: 16 is not divisible by model.n_heads 3"):
+        C.load_preset(str(tmp_path / "bad.yaml"))
+    preset["model"]["n_heads"] = 2
+    preset["train"]["precision"] = "fp8"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(preset))
+    with pytest.raises(C.ConfigError, match=r"bad.yaml: train.precision: 'fp8' is not one of \['fp32', 'bf16'\]"):
+        C.load_preset(str(tmp_path / "bad.yaml"))
+
+
+def test_set_field_and_budget():
+    preset = C.load_preset("cpu_tiny", {"presets_dir": str(REPO / "config" / "presets")})
+    changed = C.set_field(preset, "train.lr", 0.1)
+    assert changed["train"]["lr"] == 0.1 and preset["train"]["lr"] != 0.1
+    assert C.budget_bytes({"budget_gib": 24}) == 24 * 2**30
+    assert C.budget_bytes({"budget_gib": 1}, override_gib=2.5) == int(2.5 * 2**30)

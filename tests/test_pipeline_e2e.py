@@ -1,0 +1,89 @@
+"""The real `snakemake` on a tiny config, through every rule to the report (issue: pipeline spine).
+
+One workflow copy is run once (module-scoped) and then probed: contract files, a second run that
+does nothing, `snakemake report` rebuilding only the report, dry-run and lint."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+
+pytestmark = pytest.mark.slow
+CONFIG = ["--configfile", "tests/configs/tiny.yaml"]
+RUN = ["--cores", "2", "--resources", "gpu=1", *CONFIG]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    wf = copy_workflow(tmp_path_factory.mktemp("e2e") / "wf")
+    run_snakemake(wf, *RUN, timeout=900)
+    return wf
+
+
+def test_dry_run_lists_every_stage(workflow_copy):
+    out = run_snakemake(workflow_copy, "-n", *RUN).stdout
+    for rule in ("prepare", "estimate", "train", "evaluate", "report"):
+        assert f"rule {rule}:" in out, rule
+
+
+def test_lint_is_clean(workflow_copy):
+    out = run_snakemake(workflow_copy, "--lint", *CONFIG).stdout
+    assert "Congratulations, your workflow is in a good condition!" in out
+
+
+def test_every_contract_file_is_produced(finished):
+    res = finished / "results"
+    prepared = finished / "data" / "prepared" / "synthetic" / "8000"
+    assert json.loads((prepared / "manifest.json").read_text())["tracks"]
+    for preset in ("test_tiny", "large"):
+        record = json.loads((res / "vram" / f"{preset}.json").read_text())
+        for key in ("parameters", "peak_bytes", "largest_allocation_bytes", "breakdown", "budget_bytes",
+                    "fits", "method", "device", "attention_backend"):
+            assert key in record, (preset, key)
+        assert set(record["breakdown"]) >= {"weights", "gradients", "optimizer", "activations", "transient", "overhead"}
+    run_dir = res / "train" / "test_tiny"
+    for name in ("model.pt", "checkpoints/last.pt", "metrics.csv", "memory.csv", "run.json"):
+        assert (run_dir / name).is_file(), name
+    assert not (run_dir / "failure.json").exists()
+    run = json.loads((run_dir / "run.json").read_text())
+    for key in ("pid", "host", "start_free_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+                "wall_seconds", "steps", "versions"):
+        assert key in run, key
+    assert (run_dir / "memory.csv").read_text().splitlines()[0] == "step,allocated,reserved,peak"
+    scores = json.loads((res / "eval" / "test_tiny" / "scores.json").read_text())
+    assert set(scores["per_stem"]) == {"vocals", "drums", "bass", "other"}
+    html = (res / "report" / "index.html").read_text()
+    assert "test_tiny" in html and "large" in html
+    assert (res / "report" / "report.md").is_file()
+    for folder in ("logs", "benchmarks"):
+        assert any((finished / folder).rglob("*")), folder
+
+
+def test_second_run_does_nothing(finished):
+    out = run_snakemake(finished, *RUN).stdout
+    assert "Nothing to be done" in out
+
+
+def test_report_target_rebuilds_only_the_report(finished):
+    shutil.rmtree(finished / "results" / "report")
+    out = run_snakemake(finished, *RUN, "report").stdout
+    assert (finished / "results" / "report" / "index.html").is_file()
+    jobs = [line.split()[0] for line in out.split("Job stats:")[1].splitlines()[3:] if line.strip()]
+    assert jobs[:2] == ["report", "total"], out
+
+
+def test_bad_config_stops_before_any_job(workflow_copy):
+    bad = workflow_copy / "bad.yaml"
+    cfg = yaml.safe_load(TINY_CONFIG.read_text())
+    cfg["evaluate"]["overlap"] = 2
+    bad.write_text(yaml.safe_dump(cfg))
+    proc = run_snakemake(workflow_copy, *RUN[:4], "--configfile", "bad.yaml", check=False)
+    assert proc.returncode != 0
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("tiersep: invalid config: bad.yaml: evaluate.overlap: 2 is greater than the maximum")
+    assert not (workflow_copy / "results" / "vram").exists()
+    assert not (workflow_copy / ".snakemake" / "log").exists() or "rule " not in proc.stdout

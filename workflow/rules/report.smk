@@ -1,0 +1,26 @@
+# One comparison report from every estimate and every evaluated tier. `snakemake report` rebuilds
+# only this when the results are there.
+rule report:
+    input:
+        estimates=expand(f"{RESULTS}/vram/{{preset}}.json", preset=ESTIMATED),
+        scores=expand(f"{RESULTS}/eval/{{preset}}/scores.json", preset=TRAINED),
+        runs=expand(f"{RESULTS}/train/{{preset}}/run.json", preset=TRAINED),
+    output:
+        html=f"{RESULTS}/report/index.html",
+        md=f"{RESULTS}/report/report.md",
+    params:
+        config=CONFIG_FILE,
+        results=lambda wildcards, input: os.path.dirname(os.path.dirname(input.estimates[0])),
+        outdir=lambda wildcards, output: os.path.dirname(output.html),
+    log:
+        "logs/report.log",
+    benchmark:
+        "benchmarks/report.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    container:
+        CONTAINER
+    shell:
+        "tiersep report --config {params.config} --results {params.results} --out {params.outdir} > {log} 2>&1"
