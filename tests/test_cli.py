@@ -1,0 +1,45 @@
+"""The tiersep command: help for every stage, one-line errors, --set overrides."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiersep import cli
+from tiersep.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TIERSEP = str(Path(sys.executable).parent / "tiersep")
+STAGES = ["prepare", "estimate", "fit", "train", "evaluate", "report"]
+
+
+def test_top_level_help_lists_every_stage():
+    out = subprocess.run([TIERSEP, "--help"], capture_output=True, text=True, check=True).stdout
+    for stage in STAGES:
+        assert stage in out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_has_help_with_config_option(stage):
+    out = subprocess.run([TIERSEP, stage, "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--config" in out and "usage: tiersep " + stage in out
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("evaluate: {overlap: 5}\n")
+    proc = subprocess.run([TIERSEP, "report", "--config", str(bad), "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert f"{bad}: evaluate.overlap: 5 is greater than the maximum of 0.75" in proc.stderr
+
+
+def test_set_overrides_are_validated():
+    cfg = load_config(REPO / "config" / "config.yaml")
+    preset = cli.resolve_preset("cpu_tiny", cfg, [("train.lr", 0.01), ("model.n_layers", 3)])
+    assert preset["train"]["lr"] == 0.01 and preset["model"]["n_layers"] == 3
+    with pytest.raises(ConfigError, match="train.lr"):
+        cli.resolve_preset("cpu_tiny", cfg, [("train.lr", -1.0)])
+    with pytest.raises(ConfigError, match="no such preset field"):
+        cli.resolve_preset("cpu_tiny", cfg, [("train.nope.deeper", 1)])
