@@ -9,6 +9,8 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"  # validates first, with a one-line error naming file and key
 
+report: "workflow/report/workflow.rst"
+
 validate(config, "workflow/schemas/config.schema.yaml", set_default=True)  # the same schema, Draft 2020-12
 include: "workflow/rules/data.smk"
 include: "workflow/rules/estimate.smk"

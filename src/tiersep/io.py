@@ -21,6 +21,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        if tmp.exists():  # mkstemp makes 0600 files; give outputs the usual umask permissions
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -61,6 +63,12 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _jsonable(value: Any) -> Any:

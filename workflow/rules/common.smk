@@ -70,6 +70,15 @@ def estimate_of(path):
         return json.load(fh)
 
 
+import tiersep.report as tiersep_report
+
+
+def _report_output(name, category):
+    """A report PNG flagged for `snakemake --report`, with its caption from workflow/report."""
+    path = f"{RESULTS}/report/{name}"
+    return report(path, caption=f"../report/{name[:-4]}.rst", category=category)
+
+
 REPORT_FILES = [f"{RESULTS}/report/index.html", f"{RESULTS}/report/report.md"]
 
 wildcard_constraints:

@@ -1,0 +1,173 @@
+"""Training segments streamed from a prepared folder, with Open-Unmix / Demucs augmentations.
+
+Every segment is a pure function of (seed, step, index in batch): its random generator is seeded
+with exactly that triple. So a resumed run sees the same batches, and the content does not depend
+on how many worker processes fetch them. Nothing is cached: each segment is read with soundfile
+partial reads (seek + read of the segment only), so memory stays flat over steps.
+
+Augmentations (preset `train.augment`):
+- remix: each stem from an independently drawn track and offset (tracks weighted by length);
+- gain: each stem scaled by a factor drawn from [gain_min, gain_max];
+- channel_swap: each stem's left/right swapped with probability 1/2;
+- silence rejection: a segment whose mixture RMS is below silence_db dBFS is drawn again (at most
+  MAX_DRAWS times; the last draw is kept);
+and the mixture is the sum of the augmented stems.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from tiersep.data.errors import DataError
+from tiersep.data.tracks import (BASE_STEMS, DERIVED_STEMS, check_sources, read_stem, track_names,
+                                 track_samples)
+
+MAX_DRAWS = 10  # silence rejection gives up after this many draws (a silent track must not hang)
+VALID_STREAM = 0x5A11D  # seeds validation segments apart from training steps
+
+
+def rms_db(audio: np.ndarray) -> float:
+    return float(10.0 * np.log10(np.mean(np.square(audio, dtype=np.float64)) + 1e-20))
+
+
+class SegmentDataset:
+    """Random training segments of one split.
+
+    batch(step, batch_size) -> (mixture Tensor[B, C, S], stems Tensor[B, n_src, C, S]), float32.
+    augment: the preset's train.augment dict; None = no augmentation (one track and offset for all
+    stems, unit gain, no swap, no silence rejection).
+    """
+
+    def __init__(self, prepared_dir, split: str, sources, segment_samples: int, seed: int,
+                 augment: dict | None = None):
+        self.prepared_dir = str(prepared_dir)
+        self.split = split
+        self.sources = list(sources)
+        check_sources(self.sources)
+        self.segment_samples = int(segment_samples)
+        self.seed = int(seed)
+        self.augment = dict(augment) if augment else None
+        lengths = track_samples(self.prepared_dir, split)
+        self.names = track_names(self.prepared_dir, split)
+        if not self.names:
+            raise DataError(f"{Path(self.prepared_dir) / 'manifest.json'}: split {split} has no tracks")
+        self.lengths = np.array([lengths[n] for n in self.names], dtype=np.int64)
+        self.weights = self.lengths / self.lengths.sum()
+
+    def __repr__(self) -> str:
+        return (f"SegmentDataset({self.prepared_dir!r}, {self.split!r}, {len(self.names)} tracks, "
+                f"{self.segment_samples} samples, seed {self.seed}, augment={self.augment})")
+
+    def _draw_position(self, rng: np.random.Generator) -> tuple[int, int]:
+        """(track index, offset): tracks weighted by length, offset uniform within the track."""
+        track = int(rng.choice(len(self.names), p=self.weights))
+        offset = int(rng.integers(0, max(1, self.lengths[track] - self.segment_samples + 1)))
+        return track, offset
+
+    def _read(self, track: int, stem: str, offset: int) -> np.ndarray:
+        return read_stem(self.prepared_dir, self.split, self.names[track], stem, offset, self.segment_samples)
+
+    def segment(self, step: int, index: int, with_plan: bool = False):
+        """Segment `index` of batch `step`: (mixture float32 [C, S], stems float32 [n_src, C, S]),
+        plus, with_plan=True, what was drawn: {"draws": n, "stems": [{stem, track, offset, gain, swap}]}."""
+        rng = np.random.default_rng([self.seed, int(step), int(index)])
+        aug = self.augment
+        for draw in range(MAX_DRAWS if aug else 1):
+            parts, plan = {}, []
+            shared = self._draw_position(rng)
+            for stem in BASE_STEMS:
+                track, offset = self._draw_position(rng) if aug and aug["remix"] else shared
+                gain = float(rng.uniform(aug["gain_min"], aug["gain_max"])) if aug else 1.0
+                swap = bool(aug and aug["channel_swap"] and rng.random() < 0.5)
+                audio = self._read(track, stem, offset)  # [C, S]
+                if gain != 1.0:
+                    audio *= np.float32(gain)
+                if swap:
+                    audio = np.ascontiguousarray(audio[::-1])
+                parts[stem] = audio
+                plan.append({"stem": stem, "track": self.names[track], "offset": offset, "gain": gain, "swap": swap})
+            mixture = sum(parts[s] for s in BASE_STEMS)  # [C, S]
+            if not aug or rms_db(mixture) >= aug["silence_db"]:
+                break
+        for name, members in DERIVED_STEMS.items():
+            parts[name] = sum(parts[s] for s in members)
+        stems = np.stack([parts[s] for s in self.sources])
+        if with_plan:
+            return mixture, stems, {"draws": draw + 1, "stems": plan}
+        return mixture, stems
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        items = [self.segment(step, i) for i in range(batch_size)]
+        mixture = torch.from_numpy(np.stack([m for m, _ in items]))  # [B, C, S]
+        stems = torch.from_numpy(np.stack([s for _, s in items]))  # [B, n_src, C, S]
+        return mixture, stems
+
+
+class _StepBatches(torch.utils.data.Dataset):
+    """Map-style view for torch's DataLoader: item `step` is the whole batch of that step."""
+
+    def __init__(self, dataset: SegmentDataset, batch_size: int):
+        self.dataset, self.batch_size = dataset, batch_size
+
+    def __getitem__(self, step: int):
+        return (step, *self.dataset.batch(step, self.batch_size))
+
+
+class _Steps(torch.utils.data.Sampler):
+    def __init__(self, start: int, stop: int | None):
+        self.start, self.stop = start, stop
+
+    def __iter__(self):
+        return iter(range(self.start, self.stop)) if self.stop is not None else itertools.count(self.start)
+
+
+def make_loader(dataset: SegmentDataset, batch_size: int, num_workers: int, start_step: int = 0,
+                stop_step: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yield (step, mixture[B, C, S], stems[B, n_src, C, S]) for start_step, start_step + 1, ...
+    (up to stop_step, exclusive, or forever), in order; the same content whatever num_workers is.
+    Workers (processes) prefetch the next batches while the caller trains."""
+    if num_workers <= 0:
+        steps = range(start_step, stop_step) if stop_step is not None else itertools.count(start_step)
+        return ((step, *dataset.batch(step, batch_size)) for step in steps)
+    loader = torch.utils.data.DataLoader(
+        _StepBatches(dataset, batch_size), batch_size=None, sampler=_Steps(start_step, stop_step),
+        num_workers=num_workers, prefetch_factor=2, persistent_workers=False,
+        # its own generator: creating the loader must not consume the global torch RNG (the
+        # trainer's dropout draws would differ between a fresh and a resumed run)
+        generator=torch.Generator().manual_seed(dataset.seed))
+    return iter(loader)
+
+
+def validation_segments(prepared_dir, sources, segment_samples: int, count: int, seed: int,
+                        silence_db: float = -60.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` fixed, un-augmented segments of the valid split, taken in turn from its tracks:
+    (mixture Tensor[N, C, S] from mixture.wav, stems Tensor[N, n_src, C, S]). Offsets are drawn
+    from `seed`, preferring one where every requested stem is above `silence_db` (a silent
+    reference makes SI-SDR meaningless); after MAX_DRAWS, the draw whose quietest stem is loudest."""
+    sources = list(sources)
+    check_sources(sources)
+    lengths = track_samples(prepared_dir, "valid")
+    names = track_names(prepared_dir, "valid")
+    if not names:
+        raise DataError(f"{Path(prepared_dir) / 'manifest.json'}: split valid has no tracks")
+    mixtures, targets = [], []
+    for i in range(count):
+        name = names[i % len(names)]
+        rng = np.random.default_rng([int(seed), VALID_STREAM, i])
+        best, best_level = None, -np.inf
+        for _draw in range(MAX_DRAWS):
+            offset = int(rng.integers(0, max(1, lengths[name] - segment_samples + 1)))
+            stems = np.stack([read_stem(prepared_dir, "valid", name, s, offset, segment_samples) for s in sources])
+            level = min(rms_db(s) for s in stems)
+            if level > best_level:
+                best, best_level = (offset, stems), level
+            if level >= silence_db:
+                break
+        offset, stems = best
+        mixtures.append(read_stem(prepared_dir, "valid", name, "mixture", offset, segment_samples))
+        targets.append(stems)
+    return torch.from_numpy(np.stack(mixtures)), torch.from_numpy(np.stack(targets))

@@ -1,0 +1,458 @@
+"""A deterministic synthetic MUSDB18-HQ: small, musically structured, separable, made anywhere.
+
+Writes the real MUSDB18-HQ layout, `root/{train,test}/<Artist - Title>/{mixture,drums,bass,other,
+vocals}.wav` (stereo, float32 WAV so that mixture.wav is *exactly* the float32 sum of the four stem
+files), which `ingest` then reads through the real `musdb` parser like any user's MUSDB18-HQ.
+
+Each track draws its own tempo, key, mode, chord progression, voice range, panning and gains, and
+an arrangement in which instruments drop in and out (silences and overlaps as in real music):
+- drums: kick / snare / hi-hat on a 16th-note grid (noise and pitched transients, tom fills);
+- bass: low harmonic notes on the chord roots, fifths and octaves;
+- vocals: a harmonic voice with a melody, glides, vibrato, vowel formants and consonant bursts;
+- other: sustained chord pads and/or plucked arpeggios.
+The stems differ in timbre, register and rhythm, so a separator can learn them.
+
+Where it lives: `<data.prepared_dir>/../raw/synthetic-<key>/`, key = hash of the generator
+settings (seed, rate, sizes, generator version). The folder is built under a temporary name and
+renamed (as tiersep.io.atomic_dir does, but never replacing a complete folder that a parallel job
+may be reading), and reused by later runs whose settings match (its `tiersep_synthetic.json`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+from tqdm import tqdm
+
+from tiersep.io import read_json, write_json
+
+GENERATOR_VERSION = 1
+STEMS = ("drums", "bass", "other", "vocals")  # MUSDB stem order; mixture = sum in this order
+MARKER = "tiersep_synthetic.json"  # written last: its presence means the folder is complete
+
+MAJOR = (0, 2, 4, 5, 7, 9, 11)
+MINOR = (0, 2, 3, 5, 7, 8, 10)
+# Chord progressions as scale degrees (0 = tonic), one chord per bar.
+PROGRESSIONS = {
+    "major": ((0, 4, 5, 3), (0, 3, 4, 3), (1, 4, 0, 5), (0, 5, 3, 4), (0, 3, 0, 4)),
+    "minor": ((0, 5, 2, 6), (0, 3, 4, 0), (0, 6, 5, 6), (0, 3, 6, 2), (0, 5, 3, 4)),
+}
+# Vowel formants (Hz) for the voice: F1, F2, F3 (Peterson & Barney style averages).
+VOWELS = {
+    "a": (730, 1090, 2440), "e": (530, 1840, 2480), "i": (300, 2250, 3000),
+    "o": (570, 840, 2410), "u": (320, 870, 2240),
+}
+FORMANT_BANDWIDTHS = (130.0, 160.0, 220.0)
+FORMANT_GAINS = (1.0, 0.55, 0.3)
+ADJECTIVES = ("Amber", "Velvet", "Hollow", "Silver", "Paper", "Static", "Golden", "Quiet", "Neon",
+              "Crimson", "Distant", "Northern", "Electric", "Wooden", "Restless", "Sunday")
+NOUNS = ("Harbor", "Orchard", "Lanterns", "Comets", "Meadow", "Engines", "Rivers", "Foxes", "Signals",
+         "Gardens", "Tides", "Owls", "Satellites", "Valleys", "Choir", "Machines")
+TITLES = ("Lines", "Glow", "Drift", "Morning", "Echoes", "Fever", "Window", "Motion", "Weather",
+          "Letters", "Static", "Shore", "Spark", "Circles", "Heights", "Rain")
+
+
+# ----------------------------------------------------------------------------- settings, cache
+def generator_settings(cfg: dict) -> dict:
+    """Everything the generated audio depends on (the cache key is its hash)."""
+    synth = cfg["data"]["synthetic"]
+    return {"generator": "tiersep.data.synthetic", "version": GENERATOR_VERSION,
+            "seed": int(synth["seed"]), "sample_rate": int(synth["sample_rate"]),
+            "train_tracks": int(synth["train_tracks"]), "valid_tracks": int(synth["valid_tracks"]),
+            "test_tracks": int(synth["test_tracks"]), "track_seconds": float(synth["track_seconds"])}
+
+
+def settings_key(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def raw_root(cfg: dict) -> Path:
+    """Raw (unprepared) datasets live next to the prepared ones: <prepared_dir>/../raw."""
+    return Path(cfg["data"]["prepared_dir"]).parent / "raw"
+
+
+def synthetic_root(cfg: dict) -> Path:
+    return raw_root(cfg) / f"synthetic-{settings_key(generator_settings(cfg))}"
+
+
+def read_marker(root: Path) -> dict | None:
+    try:
+        return read_json(Path(root) / MARKER)
+    except (OSError, ValueError):
+        return None
+
+
+def ensure_synthetic(cfg: dict, progress: bool = True) -> tuple[Path, dict]:
+    """The generated MUSDB18-HQ-layout folder for this config (generated now unless already there)
+    and its description (settings, tracks, which train tracks form the validation split)."""
+    settings = generator_settings(cfg)
+    root = synthetic_root(cfg)
+    info = read_marker(root)
+    if info is not None and info.get("settings") == settings:
+        return root, info
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
+    try:
+        info = generate(tmp, settings, progress=progress)
+        publish_dir(tmp, root, lambda folder: (read_marker(folder) or {}).get("settings") == settings)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root, read_marker(root)
+
+
+def publish_dir(staging: Path, final: Path, is_complete) -> None:
+    """Rename a finished folder into place, unless another process (e.g. a parallel `prepare` at
+    another rate) already put a complete one there: that one is kept, never deleted under its
+    readers. `staging` must be on the same filesystem as `final`."""
+    try:
+        os.rename(staging, final)  # fails when `final` exists and is not empty
+    except OSError:
+        if is_complete(final):
+            return
+        shutil.rmtree(final, ignore_errors=True)  # a stale or broken folder nobody can be using
+        os.rename(staging, final)
+
+
+# ----------------------------------------------------------------------------- the dataset
+def track_name(rng: np.random.Generator, index: int) -> str:
+    """'Artist - Title' as MUSDB names tracks; the index keeps names unique."""
+    artist = f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+    return f"{artist} - {rng.choice(TITLES)} {index + 1:02d}"
+
+
+def plan_tracks(settings: dict) -> list[dict]:
+    """Names and subsets of every track; the last `valid_tracks` train tracks are the valid split."""
+    names_rng = np.random.default_rng(np.random.SeedSequence([settings["seed"], 7919]))
+    n_train, n_valid = settings["train_tracks"], settings["valid_tracks"]
+    plan = []
+    for i in range(n_train + settings["test_tracks"]):
+        subset = "train" if i < n_train else "test"
+        plan.append({"index": i, "name": track_name(names_rng, i), "subset": subset,
+                     "valid": subset == "train" and i >= n_train - n_valid})
+    return plan
+
+
+def generate(root: Path, settings: dict, progress: bool = True) -> dict:
+    """Write every track of the synthetic set under `root`; returns what the marker file holds."""
+    start = time.perf_counter()
+    root = Path(root)
+    sr, n = settings["sample_rate"], int(round(settings["track_seconds"] * settings["sample_rate"]))
+    plan = plan_tracks(settings)
+    for entry in tqdm(plan, desc="generate synthetic MUSDB", unit="track", disable=not progress):
+        rng = np.random.default_rng(np.random.SeedSequence([settings["seed"], entry["index"]]))
+        stems, params = synth_track(rng, sr, n)
+        folder = root / entry["subset"] / entry["name"]
+        folder.mkdir(parents=True)
+        mixture = np.zeros_like(stems["drums"])  # [S, 2] float32
+        for name in STEMS:
+            mixture += stems[name]
+            sf.write(folder / f"{name}.wav", stems[name], sr, subtype="FLOAT")
+        sf.write(folder / "mixture.wav", mixture, sr, subtype="FLOAT")
+        entry.update(params)
+    info = {"settings": settings, "tracks": plan,
+            "valid_tracks": [t["name"] for t in plan if t["valid"]],
+            "seconds": round(time.perf_counter() - start, 3)}
+    write_json(root / MARKER, info)
+    return info
+
+
+# ----------------------------------------------------------------------------- one track
+def midi_hz(midi):
+    return 440.0 * 2.0 ** ((np.asarray(midi, dtype=np.float64) - 69.0) / 12.0)
+
+
+def pan_gains(pan: float) -> np.ndarray:
+    """Constant-power left/right gains for pan in [-1, 1]."""
+    theta = (pan + 1.0) * np.pi / 4.0
+    return np.array([np.cos(theta), np.sin(theta)])
+
+
+def place(buffer: np.ndarray, start: int, sound: np.ndarray, gains: np.ndarray) -> None:
+    """Add a mono `sound` into the stereo `buffer` [S, 2] at `start` with per-channel gains."""
+    if start >= len(buffer):
+        return
+    end = min(len(buffer), start + len(sound))
+    buffer[start:end] += sound[: end - start, None] * gains[None, :]
+
+
+def envelope(length: int, sr: int, attack: float, release: float) -> np.ndarray:
+    """Linear attack and release ramps over `length` samples (release ends at the last sample)."""
+    env = np.ones(length)
+    a, r = max(1, int(attack * sr)), max(1, int(release * sr))
+    a, r = min(a, length), min(r, length)
+    env[:a] *= np.linspace(0.0, 1.0, a, endpoint=False)
+    env[length - r:] *= np.linspace(1.0, 0.0, r)
+    return env
+
+
+def arrangement(rng: np.random.Generator, n_bars: int) -> dict[str, np.ndarray]:
+    """Which instrument plays in which bar: sections of two bars, instruments drop in and out,
+    at least two play at once, and each plays somewhere."""
+    probs = {"drums": 0.8, "bass": 0.8, "other": 0.85, "vocals": 0.65}
+    n_sections = (n_bars + 1) // 2
+    active = {k: rng.random(n_sections) < p for k, p in probs.items()}
+    for s in range(n_sections):
+        playing = [k for k in probs if active[k][s]]
+        for k in rng.permutation(list(probs))[: max(0, 2 - len(playing))]:
+            active[k][s] = True
+    for k in probs:
+        if not active[k].any():
+            active[k][rng.integers(n_sections)] = True
+    return {k: np.repeat(v, 2)[:n_bars] for k, v in active.items()}
+
+
+def synth_track(rng: np.random.Generator, sr: int, n: int) -> tuple[dict[str, np.ndarray], dict]:
+    """Four stereo stems [n, 2] float32 of one track, and its musical parameters."""
+    bpm = float(rng.uniform(84, 144))
+    bar = 4 * 60.0 / bpm * sr  # samples per bar (float: the grid does not drift)
+    n_bars = int(np.ceil(n / bar))
+    key = int(rng.integers(12))
+    mode = str(rng.choice(["major", "minor"]))
+    scale = MAJOR if mode == "major" else MINOR
+    progression = PROGRESSIONS[mode][rng.integers(len(PROGRESSIONS[mode]))]
+    chords = [progression[b % len(progression)] for b in range(n_bars)]
+    active = arrangement(rng, n_bars)
+    song = {"sr": sr, "n": n, "bar": bar, "key": key, "scale": scale, "chords": chords}
+
+    stems = {
+        "drums": drums(rng, song, active["drums"]),
+        "bass": bass(rng, song, active["bass"]),
+        "other": other(rng, song, active["other"]),
+        "vocals": vocals(rng, song, active["vocals"]),
+    }
+    # Level each stem (RMS over where it plays), then random gains; then one scale for the mix.
+    gains_db = {"drums": rng.uniform(-5, 1), "bass": rng.uniform(-5, 1),
+                "other": rng.uniform(-6, 0), "vocals": rng.uniform(-3, 3)}
+    for name, x in stems.items():
+        playing = np.abs(x).max(axis=1) > 1e-4
+        rms = np.sqrt(np.mean(x[playing] ** 2)) if playing.any() else 1.0
+        stems[name] = x * (10 ** ((gains_db[name] - 20.0) / 20.0) / max(rms, 1e-9))
+    peak = np.abs(sum(stems.values())).max()
+    scale_to = rng.uniform(0.5, 0.9) / max(peak, 1e-9)
+    stems = {k: (v * scale_to).astype(np.float32) for k, v in stems.items()}
+    params = {"bpm": round(bpm, 2), "key": key, "mode": mode, "progression": list(progression),
+              "gains_db": {k: round(float(v), 2) for k, v in gains_db.items()},
+              "active_bars": {k: v.astype(int).tolist() for k, v in active.items()}}
+    return stems, params
+
+
+# ----------------------------------------------------------------------------- instruments
+def chord_midi(song: dict, degree: int, base: int) -> list[int]:
+    """Triad on a scale degree, as MIDI notes from octave `base` upwards."""
+    scale = song["scale"]
+    notes = []
+    for step in (0, 2, 4):
+        d = degree + step
+        notes.append(base + song["key"] + scale[d % 7] + 12 * (d // 7))
+    return notes
+
+
+def kick(rng, sr):
+    t = np.arange(int(0.4 * sr)) / sr
+    f_start, f_end = rng.uniform(110, 160), rng.uniform(42, 60)
+    freq = f_end + (f_start - f_end) * np.exp(-t / 0.035)
+    body = np.sin(2 * np.pi * np.cumsum(freq) / sr) * np.exp(-t / rng.uniform(0.12, 0.22))
+    click = rng.standard_normal(len(t)) * np.exp(-t / 0.003) * 0.3
+    return body + click
+
+
+def snare(rng, sr):
+    t = np.arange(int(0.3 * sr)) / sr
+    f = rng.uniform(170, 240)
+    tone = (np.sin(2 * np.pi * f * t) + 0.5 * np.sin(2 * np.pi * 1.63 * f * t)) * np.exp(-t / 0.05)
+    noise = np.diff(rng.standard_normal(len(t) + 1)) * np.exp(-t / rng.uniform(0.08, 0.16))
+    return 0.5 * tone + 0.6 * noise
+
+
+def hat(rng, sr, open_hat: bool):
+    t = np.arange(int((0.35 if open_hat else 0.06) * sr)) / sr
+    noise = np.diff(rng.standard_normal(len(t) + 2), n=2)  # second difference: a high-pass
+    return 0.3 * noise * np.exp(-t / (0.12 if open_hat else 0.015))
+
+
+def tom(rng, sr, pitch):
+    t = np.arange(int(0.35 * sr)) / sr
+    freq = pitch * (1 + 0.4 * np.exp(-t / 0.02))
+    return np.sin(2 * np.pi * np.cumsum(freq) / sr) * np.exp(-t / 0.15)
+
+
+def drums(rng, song, active):
+    sr, n, sixteenth = song["sr"], song["n"], song["bar"] / 16
+    out = np.zeros((n, 2))
+    kicks = {0, 8} | {int(s) for s in rng.choice([3, 6, 10, 11, 14], size=rng.integers(0, 3), replace=False)}
+    snares = {4, 12}
+    hat_every = int(rng.choice([1, 2]))
+    hat_pan, snare_pan = pan_gains(rng.uniform(-0.6, 0.6)), pan_gains(rng.uniform(-0.2, 0.2))
+    centre = pan_gains(0.0)
+    tom_pitches = rng.uniform(90, 220, size=3)
+    for b in np.flatnonzero(active):
+        fill = b % 2 == 1 and rng.random() < 0.35  # a tom fill ends some sections
+        for s in range(16):
+            start = int(round((b * 16 + s) * sixteenth + rng.normal(0, 0.002) * sr))
+            start = max(start, 0)
+            if fill and s >= 12:
+                place(out, start, tom(rng, sr, tom_pitches[(s - 12) % 3]) * 0.8,
+                      pan_gains(-0.5 + 0.33 * (s - 12)))
+                continue
+            if s in kicks:
+                place(out, start, kick(rng, sr) * rng.uniform(0.85, 1.0), centre)
+            if s in snares:
+                place(out, start, snare(rng, sr) * rng.uniform(0.8, 1.0), snare_pan)
+            if s % hat_every == 0:
+                accent = 1.0 if s % 4 == 0 else 0.6
+                place(out, start, hat(rng, sr, open_hat=s == 14 and rng.random() < 0.3) * accent, hat_pan)
+    return out
+
+
+def harmonic_sum(phase: np.ndarray, amplitude) -> np.ndarray:
+    """sum_k amplitude(k) * sin(k * phase) for k = 1..K, by the Chebyshev recurrence
+    sin(k x) = 2 cos(x) sin((k-1) x) - sin((k-2) x): one multiply-add per harmonic, not one sine.
+    phase: [L]; amplitude(k) -> scalar or [L]."""
+    two_cos = 2.0 * np.cos(phase)
+    previous, current = np.zeros_like(phase), np.sin(phase)
+    total = amplitude(1) * current
+    k = 2
+    while True:
+        a = amplitude(k)
+        if a is None:
+            return total
+        previous, current = current, two_cos * current - previous
+        total += a * current
+        k += 1
+
+
+def harmonic_tone(freq, t, n_harmonics, tilt, decay_per_harmonic=0.0):
+    """Harmonics k*freq with amplitude k^-tilt, higher ones decaying faster. t: [L] -> [L]."""
+    def amplitude(k):
+        if k > n_harmonics:
+            return None
+        if decay_per_harmonic:
+            return k ** -tilt * np.exp(-decay_per_harmonic * k * t)
+        return k ** -tilt
+    return harmonic_sum(2 * np.pi * freq * t, amplitude)
+
+
+BASS_PATTERNS = (  # (start 16th, length in 16ths, interval above the root)
+    ((0, 4, 0), (4, 4, 0), (8, 4, 0), (12, 4, 0)),
+    ((0, 2, 0), (2, 2, 12), (4, 2, 0), (6, 2, 12), (8, 2, 0), (10, 2, 12), (12, 2, 0), (14, 2, 12)),
+    ((0, 6, 0), (6, 2, 7), (8, 6, 0), (14, 2, 7)),
+    ((0, 3, 0), (3, 3, 0), (6, 2, 7), (8, 4, 0), (12, 2, 12), (14, 2, 7)),
+)
+
+
+def bass(rng, song, active):
+    sr, n, sixteenth = song["sr"], song["n"], song["bar"] / 16
+    out = np.zeros((n, 2))
+    pattern = BASS_PATTERNS[rng.integers(len(BASS_PATTERNS))]
+    gains = pan_gains(rng.uniform(-0.1, 0.1))
+    tilt, brightness = rng.uniform(1.0, 1.6), rng.uniform(2.0, 6.0)
+    n_harmonics = int(min(10, 0.45 * sr / 130))
+    for b in np.flatnonzero(active):
+        root = chord_midi(song, song["chords"][b], 24)[0]
+        root += 12 if root < 31 else 0  # keep roots in E1..D#2 (41-78 Hz) or one octave above
+        for start16, length16, interval in pattern:
+            length = int(length16 * sixteenth * 0.92)
+            t = np.arange(length) / sr
+            note = harmonic_tone(midi_hz(root + interval), t, n_harmonics, tilt, brightness)
+            note *= envelope(length, sr, 0.004, 0.02) * np.exp(-t / 0.5)
+            place(out, int(round((b * 16 + start16) * sixteenth)), note * 0.8, gains)
+    return out
+
+
+def other(rng, song, active):
+    """Chord pads (slow attack, detuned for stereo width) and/or plucked arpeggios."""
+    sr, n, bar = song["sr"], song["n"], song["bar"]
+    out = np.zeros((n, 2))
+    style = str(rng.choice(["pad", "pluck", "both"]))
+    n_harmonics = int(min(8, 0.45 * sr / 500))
+    arp_step = int(rng.choice([2, 4]))  # 8ths or 16ths... in 16ths
+    arp_order = rng.permutation(3)
+    pluck_pans = rng.uniform(-0.7, 0.7, size=2)
+    for b in np.flatnonzero(active):
+        start = int(round(b * bar))
+        if style in ("pad", "both"):
+            length = int(bar * 1.05)
+            t = np.arange(length) / sr
+            env = envelope(length, sr, 0.15, 0.2) * (1 + 0.1 * np.sin(2 * np.pi * 4.5 * t))
+            for note in chord_midi(song, song["chords"][b], 48 + 12 * (song["key"] < 6)):
+                for channel, cents in ((0, -7.0), (1, 7.0)):  # detuned voices: a wide stereo pad
+                    freq = midi_hz(note + cents / 100)
+                    voice = harmonic_tone(freq, t, n_harmonics, 2.0) * env * 0.25
+                    place(out, start, voice, np.eye(2)[channel])
+        if style in ("pluck", "both"):
+            notes = chord_midi(song, song["chords"][b], 60)
+            sixteenth = bar / 16
+            for i, s in enumerate(range(0, 16, arp_step)):
+                note = notes[arp_order[i % 3]] + 12 * (i % 6 >= 3)
+                length = int(0.5 * sr)
+                t = np.arange(length) / sr
+                pluck = harmonic_tone(midi_hz(note), t, n_harmonics, 1.0, 3.0) * np.exp(-t / 0.25)
+                pluck *= envelope(length, sr, 0.002, 0.05) * 0.5
+                place(out, int(round(b * bar + s * sixteenth)), pluck, pan_gains(pluck_pans[i % 2]))
+    return out
+
+
+def formant_gain(freq: np.ndarray, formants) -> np.ndarray:
+    """Resonance gain of a vowel at the given frequencies (sum of three Lorentzian peaks)."""
+    gain = np.full(freq.shape, 0.02)
+    for centre, width, g in zip(formants, FORMANT_BANDWIDTHS, FORMANT_GAINS):
+        gain += g / (1.0 + ((freq - centre) / (width / 2)) ** 2)
+    return gain
+
+
+def melody(rng, song, active, low: int) -> list[tuple[int, int, int]]:
+    """(start 16th, length in 16ths, MIDI note) of a vocal line over the active bars, with rests."""
+    scale, key = song["scale"], song["key"]
+    degree = 7 + int(rng.integers(-2, 3))  # around the octave above `low`
+    notes = []
+    for b in np.flatnonzero(active):
+        s = int(rng.choice([0, 2]))
+        while s < 16:
+            length = int(rng.choice([2, 2, 3, 4, 4, 6, 8]))
+            if rng.random() < 0.2:  # a rest (breath)
+                s += length
+                continue
+            degree = int(np.clip(degree + rng.choice([-2, -1, -1, 0, 1, 1, 2]), 0, 13))
+            notes.append((b * 16 + s, min(length, 16 - s), low + key + scale[degree % 7] + 12 * (degree // 7)))
+            s += length
+    return notes
+
+
+def vocals(rng, song, active):
+    """A harmonic voice: melody with glides and vibrato, through vowel formants."""
+    sr, n, sixteenth = song["sr"], song["n"], song["bar"] / 16
+    out = np.zeros((n, 2))
+    low = int(rng.choice([45, 52]))  # a lower or higher voice (melody around A3..A4 or E4..E5)
+    gains = pan_gains(rng.uniform(-0.15, 0.15))
+    vibrato_rate, vibrato_depth = rng.uniform(4.8, 6.5), rng.uniform(0.25, 0.6)
+    previous = None
+    for start16, length16, note in melody(rng, song, active, low):
+        length = int(length16 * sixteenth)
+        t = np.arange(length) / sr
+        glide_from = note if previous is None else previous
+        previous = note
+        semitones = note + (glide_from - note) * np.exp(-t / 0.03)
+        semitones = semitones + vibrato_depth * np.clip((t - 0.15) / 0.2, 0, 1) * np.sin(
+            2 * np.pi * vibrato_rate * t + rng.uniform(0, 2 * np.pi))
+        f0 = midi_hz(semitones)  # [L]
+        phase = 2 * np.pi * np.cumsum(f0) / sr
+        n_harmonics = int(min(40, 0.45 * sr / f0.max()))
+        formants = VOWELS[str(rng.choice(list(VOWELS)))]
+        # glottal tilt 1/k times the vowel's resonances at each harmonic's (moving) frequency
+        voice = harmonic_sum(phase, lambda k: None if k > n_harmonics else formant_gain(k * f0, formants) / k)
+        voice *= envelope(length, sr, 0.03, 0.06) * (1 + 0.05 * np.sin(2 * np.pi * 3.0 * t))
+        start = int(round(start16 * sixteenth))
+        if rng.random() < 0.35:  # a consonant ('s', 't'): a short high-passed noise burst
+            t_burst = np.arange(int(0.04 * sr)) / sr
+            burst = np.diff(rng.standard_normal(len(t_burst) + 1)) * np.exp(-t_burst / 0.01)
+            place(out, start, burst * 0.15, gains)
+            start += len(burst) // 2
+        place(out, start, voice * 0.5, gains)
+    return out

@@ -1,0 +1,432 @@
+"""Gather whatever results exist into one record per tier, plus the facts of the run.
+
+Nothing here assumes a stage finished: every file is optional, and a tier with missing or failed
+results is still a row (status says why). Reading is tolerant of extra fields (other stages may add
+some) but a file that exists and cannot be parsed is an error naming it: a corrupt result should
+not silently disappear from the report.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiersep import config as C
+
+# Order of the estimate breakdown everywhere (tables, plots).
+BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
+
+
+def device_type(device: str | None) -> str | None:
+    """'cuda:0 (NVIDIA ...)' -> 'cuda', 'cpu (x86_64, 2 threads)' -> 'cpu'."""
+    match = re.match(r"\s*([A-Za-z]+)", str(device or ""))
+    return match.group(1).lower() if match else None
+
+
+class ReportInputError(ValueError):
+    """A results file that exists but cannot be read; the message names the file."""
+
+
+@dataclass
+class Tier:
+    name: str
+    kind: str  # "tier" (config tiers), "trial" (sweep), "estimate" (estimate_tiers only), "found"
+    preset: dict | None = None
+    preset_error: str | None = None
+    estimate: dict | None = None  # results/vram/<name>.json
+    run: dict | None = None  # results/train/<name>/run.json
+    failure: dict | None = None  # results/train/<name>/failure.json: the last attempt failed
+    earlier_failure: dict | None = None  # run.json's recovered_from: an OOM the retry got past
+    metrics: list[dict] = field(default_factory=list)  # metrics.csv rows, numbers or None
+    memory: list[dict] = field(default_factory=list)  # memory.csv rows
+    scores: dict | None = None  # results/eval/<name>/scores.json
+    has_model: bool = False
+
+    # ---- derived views the tables and plots share -------------------------------------------
+    @property
+    def status(self) -> str:
+        """One of: failed, refused, trained, evaluated, incomplete, estimate, missing."""
+        if self.failure is not None:
+            return "refused" if self.failure.get("kind") == "refused" else "failed"
+        if self.scores is not None:
+            return "evaluated"
+        if self.run is not None:
+            return "trained"
+        if self.metrics or self.memory:
+            return "incomplete"
+        if self.kind == "estimate" and self.estimate is not None:
+            return "estimate"
+        return "missing"
+
+    @property
+    def status_text(self) -> str:
+        if self.failure is not None:
+            kind = self.failure.get("kind", "error")
+            label = {"oom": "failed: out of memory", "refused": "refused by the fit gate",
+                     "error": "failed: error"}.get(kind, f"failed: {kind}")
+            attempt = self.failure.get("attempt")
+            return f"{label} (attempt {attempt})" if attempt and attempt > 1 else label
+        status = self.status
+        if status == "evaluated":
+            text = "trained and evaluated"
+        elif status == "trained":
+            text = "trained, not evaluated"
+        elif status == "incomplete":
+            text = f"incomplete (last step {self.last_step})"
+        elif status == "estimate":
+            text = "estimate only"
+        elif self.kind == "estimate":
+            text = "no estimate yet"
+        else:
+            text = "not run yet"
+        if self.earlier_failure is not None and self.run is not None:
+            text += f" on attempt {self.run.get('attempt')} (after an out-of-memory failure)"
+        return text
+
+    @property
+    def last_step(self) -> int | None:
+        steps = [row["step"] for row in self.metrics + self.memory if row.get("step") is not None]
+        return int(max(steps)) if steps else None
+
+    @property
+    def measured_device(self) -> str | None:
+        """The device the run used, as recorded ('cuda:0 (NVIDIA H100 80GB HBM3)', 'cpu (x86_64, 2
+        threads)', 'cuda', ...)."""
+        for record in (self.run, self.failure):
+            if record and record.get("device"):
+                return str(record["device"])
+        return None
+
+    @property
+    def measured_device_type(self) -> str | None:
+        for record in (self.run, self.failure):
+            if record and record.get("device_type"):
+                return str(record["device_type"])
+        return device_type(self.measured_device)
+
+    @property
+    def estimate_device_type(self) -> str | None:
+        return device_type((self.estimate or {}).get("device"))
+
+    @property
+    def devices_match(self) -> bool:
+        """Estimate and measurement comparable: both made for the same kind of device."""
+        return (self.estimate_device_type is not None
+                and self.estimate_device_type == self.measured_device_type)
+
+    @property
+    def peak_allocated(self) -> float | None:
+        """Measured peak (CUDA: max_memory_allocated; CPU: peak RSS), from run.json or memory.csv."""
+        if self.run and self.run.get("peak_allocated_bytes") is not None:
+            return float(self.run["peak_allocated_bytes"])
+        values = [row.get("peak") or row.get("allocated") for row in self.memory]
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    @property
+    def peak_reserved(self) -> float | None:
+        if self.run and self.run.get("peak_reserved_bytes") is not None:
+            return float(self.run["peak_reserved_bytes"])
+        values = [row["reserved"] for row in self.memory if row.get("reserved") is not None]
+        return max(values) if values else None
+
+    @property
+    def estimated_peak(self) -> float | None:
+        if self.estimate and self.estimate.get("peak_bytes") is not None:
+            return float(self.estimate["peak_bytes"])
+        return None
+
+    def relative_error(self, measured: float | None) -> float | None:
+        """(estimate - measured) / measured, only where both exist and the devices match."""
+        if not self.devices_match or measured in (None, 0) or self.estimated_peak is None:
+            return None
+        return (self.estimated_peak - measured) / measured
+
+    @property
+    def overall_si_sdr(self) -> float | None:
+        """Test SI-SDR, mean of stems (None when not evaluated or not a finite number)."""
+        value = ((self.scores or {}).get("overall") or {}).get("si_sdr")
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    @property
+    def steps(self) -> int | None:
+        if self.run and self.run.get("steps") is not None:
+            return int(self.run["steps"])
+        return self.last_step
+
+    @property
+    def wall_seconds(self) -> float | None:
+        if self.run and self.run.get("wall_seconds") is not None:
+            return float(self.run["wall_seconds"])
+        times = [row["time_s"] for row in self.metrics if row.get("time_s") is not None]
+        return max(times) if times else None
+
+    @property
+    def steps_per_s(self) -> float | None:
+        if self.run and self.run.get("steps_per_s") is not None:
+            return float(self.run["steps_per_s"])
+        if self.steps and self.wall_seconds:
+            return self.steps / self.wall_seconds
+        return None
+
+    def setting(self, section: str, key: str):
+        """A preset field, else what run.json or the estimate recorded for it."""
+        if self.preset is not None:
+            return self.preset[section].get(key)
+        for record in (self.run, self.estimate):
+            if record and record.get(key) is not None:
+                return record[key]
+        return None
+
+    @property
+    def attention_backend(self) -> str | None:
+        """The kernel that ran (run.json), else the one the estimate modelled, else the preset's."""
+        for record in (self.run, self.estimate):
+            if record and record.get("attention_backend"):
+                return str(record["attention_backend"])
+        return self.setting("model", "attention_backend")
+
+    @property
+    def parameters(self) -> int | None:
+        for record in (self.estimate, self.run):
+            if record and record.get("parameters") is not None:
+                return int(record["parameters"])
+        return None
+
+    @property
+    def segment_seconds(self) -> float | None:
+        if self.preset is None:
+            return None
+        audio = self.preset["audio"]
+        return audio["segment_samples"] / audio["sample_rate"]
+
+    @property
+    def batch(self) -> tuple[int | None, int | None]:
+        """(micro-batch, accumulation) that ran (run.json or failure.json: an OOM retry halves the
+        micro-batch) or else the preset's."""
+        for record in (self.run, self.failure):
+            if record and record.get("batch_size"):
+                return record["batch_size"], record.get("grad_accum")
+        return self.setting("train", "batch_size"), self.setting("train", "grad_accum")
+
+
+@dataclass
+class Collected:
+    tiers: list[Tier]
+    facts: dict
+
+
+# ---- readers ---------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ReportInputError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ReportInputError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _number(text: str | None) -> float | None:
+    if text is None or text.strip() == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None  # e.g. 'nan' is fine (float parses it), anything else is not a number
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a numeric CSV (metrics.csv, memory.csv) as {column: float | None}."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        if not reader.fieldnames or "step" not in reader.fieldnames:
+            raise ReportInputError(f"{path}: expected a CSV header with a 'step' column")
+        return [{key: _number(value) for key, value in row.items() if key is not None} for row in reader]
+
+
+def _preset_for(name: str, kind: str, cfg: dict, run: dict | None) -> tuple[dict | None, str | None]:
+    """The preset a tier ran with: the config's preset or sweep trial, else what run.json holds."""
+    if run and isinstance(run.get("preset"), dict):
+        return run["preset"], None
+    if kind == "found":
+        return None, None  # not in the current config: show only what its records say
+    try:
+        if kind == "trial":
+            from tiersep.train.sweep import resolve_trial
+
+            return resolve_trial(name, cfg), None
+        return C.load_preset(name, cfg), None
+    except (C.ConfigError, OSError) as err:
+        return None, str(err)
+
+
+def _sweep_trials(cfg: dict) -> list[str]:
+    if not cfg.get("sweep"):
+        return []
+    from tiersep.train.sweep import trial_names
+
+    return trial_names(cfg)
+
+
+def tier_names(cfg: dict, results_dir: Path) -> list[tuple[str, str]]:
+    """(name, kind) for every row: config tiers, sweep trials, estimate-only tiers, then anything
+    else found under results_dir (e.g. trials of an earlier sweep), in that order."""
+    rows: list[tuple[str, str]] = []
+    seen: set[str] = set()
+
+    def add(name: str, kind: str) -> None:
+        if name not in seen:
+            seen.add(name)
+            rows.append((name, kind))
+
+    for name in cfg["tiers"]:
+        add(name, "tier")
+    for name in _sweep_trials(cfg):
+        add(name, "trial")
+    for name in cfg["estimate_tiers"]:
+        add(name, "estimate")
+    found = {p.stem for p in (results_dir / "vram").glob("*.json")}
+    for stage in ("train", "eval"):
+        found |= {p.name for p in (results_dir / stage).glob("*") if p.is_dir() and not p.name.startswith(".")}
+    for name in sorted(found):
+        add(name, "found")
+    return rows
+
+
+def collect_tier(name: str, kind: str, cfg: dict, results_dir: Path) -> Tier:
+    train_dir = results_dir / "train" / name
+    run = _read_json(train_dir / "run.json")
+    preset, preset_error = _preset_for(name, kind, cfg, run)
+    recovered = (run or {}).get("recovered_from")
+    # The trainer removes failure.json when an attempt starts training, so one that is present
+    # describes the last attempt; an OOM that a retry got past is recorded in run.json instead.
+    return Tier(name=name, kind=kind, preset=preset, preset_error=preset_error,
+                estimate=_read_json(results_dir / "vram" / f"{name}.json"), run=run,
+                failure=_read_json(train_dir / "failure.json"),
+                earlier_failure=recovered if isinstance(recovered, dict) else None,
+                metrics=read_csv(train_dir / "metrics.csv"), memory=read_csv(train_dir / "memory.csv"),
+                scores=_read_json(results_dir / "eval" / name / "scores.json"),
+                has_model=(train_dir / "model.pt").is_file())
+
+
+# ---- run facts ---------------------------------------------------------------------------------
+def config_hash(cfg: dict) -> str:
+    """Hash of the effective config (defaults filled, private keys dropped)."""
+    public = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    return hashlib.sha256(json.dumps(public, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def git_commit(where: Path | None = None) -> str:
+    """HEAD of the git work tree containing `where` (default: the working directory), '+dirty' when
+    tracked files differ from it; 'unknown' outside a repository or without git."""
+    cwd = str(where) if where else None
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    commit = head.stdout.strip()[:12]
+    return commit + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def manifest_summary(path: Path, manifest: dict) -> dict:
+    """A short, format-tolerant summary of a prepared dataset manifest."""
+    summary: dict = {"path": str(path)}
+    for key in ("source", "sample_rate", "channels", "root", "created", "version"):
+        if manifest.get(key) is not None:
+            summary[key] = manifest[key]
+    if isinstance(manifest.get("sources"), list):
+        summary["stems"] = ", ".join(map(str, manifest["sources"]))
+    rate = manifest.get("sample_rate")
+    counts: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    tracks = manifest.get("tracks")
+    if isinstance(tracks, dict):  # {split: [track, ...]} or {name: {split, samples}}
+        items = []
+        for key, value in tracks.items():
+            if isinstance(value, list):
+                items += [{"split": key, **(t if isinstance(t, dict) else {"name": t})} for t in value]
+            elif isinstance(value, dict):
+                items.append({"name": key, **value})
+        tracks = items
+    if isinstance(tracks, list):
+        for track in tracks:
+            if not isinstance(track, dict):
+                continue
+            split = str(track.get("split", "all"))
+            counts[split] = counts.get(split, 0) + 1
+            samples = track.get("samples") or track.get("length")
+            if samples and rate:
+                seconds[split] = seconds.get(split, 0.0) + float(samples) / float(rate)
+    elif isinstance(manifest.get("splits"), dict):
+        for split, names in manifest["splits"].items():
+            counts[str(split)] = len(names) if isinstance(names, (list, dict)) else int(names)
+    if counts:
+        summary["tracks"] = ", ".join(
+            f"{split} {n}" + (f" ({seconds[split]:.0f} s)" if split in seconds else "")
+            for split, n in counts.items())
+    skipped = manifest.get("skipped")
+    if isinstance(skipped, (list, dict)):
+        summary["skipped"] = len(skipped)
+    return summary
+
+
+def dataset_manifests(cfg: dict) -> list[dict]:
+    """Summaries of <prepared_dir>/<source>/<rate>/manifest.json for every rate prepared."""
+    base = Path(cfg["data"]["prepared_dir"]) / cfg["data"]["source"]
+    out = []
+    for path in sorted(base.glob("*/manifest.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        manifest = _read_json(path)
+        if manifest is not None:
+            out.append(manifest_summary(path, manifest))
+    return out
+
+
+def run_facts(cfg: dict, results_dir: Path, tiers: list[Tier]) -> dict:
+    versions: dict[str, list[str]] = {}  # one entry per distinct version set, with its tiers
+    for tier in tiers:
+        record = (tier.run or {}).get("versions")
+        if isinstance(record, dict):
+            key = ", ".join(f"{k} {v}" for k, v in record.items() if v is not None)
+            versions.setdefault(key, []).append(tier.name)
+    devices = []
+    for tier in tiers:
+        if tier.run is None and tier.failure is None:
+            continue
+        record = tier.failure or tier.run  # the last attempt
+        devices.append({"tier": tier.name, "device": tier.measured_device or "unknown",
+                        "host": record.get("host"), "pid": record.get("pid"),
+                        "slurm_job_id": record.get("slurm_job_id"),
+                        "start_free_bytes": record.get("start_free_bytes")})
+    return {
+        "config_hash": config_hash(cfg),
+        "config_source": cfg.get("_source"),
+        "git_commit": git_commit(),
+        "results_dir": str(results_dir),
+        "budget_bytes": C.budget_bytes(cfg) if cfg.get("budget_gib") != "auto" else None,
+        "budget_setting": cfg.get("budget_gib"),
+        "estimate_settings": cfg.get("estimate", {}),
+        "versions": versions,
+        "devices": devices,
+        "datasets": dataset_manifests(cfg),
+    }
+
+
+def collect(cfg: dict, results_dir: str | Path) -> Collected:
+    results_dir = Path(results_dir)
+    tiers = [collect_tier(name, kind, cfg, results_dir) for name, kind in tier_names(cfg, results_dir)]
+    return Collected(tiers=tiers, facts=run_facts(cfg, results_dir, tiers))

@@ -1,0 +1,344 @@
+"""The report's figures, drawn with matplotlib's Agg backend into PNG bytes.
+
+Every plot always exists (a short 'no data yet' figure when nothing can be drawn), so the set of
+files the report writes is fixed and a workflow can declare them as outputs.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+
+from tiersep.report.collect import BREAKDOWN_KEYS, Tier
+from tiersep.report.units import format_bytes
+
+# (file stem, title) of every plot, in the order the report shows them.
+PLOTS = (
+    ("memory_estimate_vs_measured", "Estimated vs measured peak memory"),
+    ("memory_breakdown", "What each estimate is made of"),
+    ("quality_vs_memory", "Quality vs peak memory"),
+    ("training_curves", "Training and validation curves"),
+    ("memory_over_steps", "Memory over training steps"),
+    ("stem_si_sdr", "SI-SDR per stem over the test tracks"),
+)
+DPI = 100
+STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": DPI}
+BREAKDOWN_COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#bab0ac")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # no display, no GUI toolkit, same pixels everywhere
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    # No 'Software' metadata: the bytes depend on the data only (and there is no URL in the file).
+    fig.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buffer.getvalue()
+
+
+def _empty(title: str, why: str) -> bytes:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 1.6))
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.4, why, ha="center", va="center", fontsize=10, color="#555555", transform=ax.transAxes)
+    return _png(fig)
+
+
+def tier_colors(tiers: list[Tier]) -> dict[str, str]:
+    """One colour per tier, the same in every plot."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if len(tiers) <= 10 else "tab20"]
+    return {t.name: matplotlib.colors.to_hex(cmap(i % cmap.N)) for i, t in enumerate(tiers)}
+
+
+def _bytes_axis(axis, values: list[float]) -> None:
+    """Log-scaled byte axis with ticks at powers of two, labelled in KiB/MiB/GiB."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    low, high = max(min(values), 1.0), max(max(values), 2.0)
+    lo_exp, hi_exp = math.floor(math.log2(low)), math.ceil(math.log2(high))
+    step = max(1, math.ceil((hi_exp - lo_exp) / 8))  # at most about 8 labelled ticks
+    ticks = [2.0**e for e in range(lo_exp, hi_exp + 1, step)]
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_minor_locator(NullLocator())
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bytes(v, digits=0)))
+
+
+def plot_memory(tiers: list[Tier], budget: float | None) -> bytes:
+    title = "Estimated vs measured peak memory"
+    shown = [t for t in tiers if t.estimated_peak or t.peak_allocated or t.failure]
+    if not shown:
+        return _empty(title, "No estimate and no measurement yet.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.8 * len(shown) + 1.5), 4.6))
+    x = np.arange(len(shown))
+    width = 0.27
+    values: list[float] = []
+    for i, tier in enumerate(shown):
+        other_device = not tier.devices_match  # measured on another device than estimated for
+        hatch = "//" if other_device else None
+        bars = [(-width, tier.estimated_peak, "#4e79a7", None),
+                (0.0, tier.peak_allocated, "#f28e2b", hatch),
+                (width, tier.peak_reserved, "#ffbe7d", hatch)]
+        for offset, value, color, bar_hatch in bars:
+            if value:
+                ax.bar(x[i] + offset, value, width, color=color, hatch=bar_hatch, edgecolor="#444444",
+                       linewidth=0.5)
+                values.append(value)
+        failed = tier.failure
+        if failed and failed.get("attempted_allocation_bytes"):
+            attempted = float(failed["attempted_allocation_bytes"])
+            ax.plot(x[i], attempted, marker="x", color="#e15759", markersize=9, mew=2)
+            values.append(attempted)
+        label = {"refused": "refused", "failed": "failed"}.get(tier.status)
+        if label:
+            top = max([v for v in (tier.estimated_peak, tier.peak_allocated) if v] or [1.0])
+            ax.annotate(label, (x[i], top), xytext=(0, 4), textcoords="offset points", ha="center",
+                        fontsize=8, color="#e15759", fontweight="bold")
+    if budget:
+        ax.axhline(budget, color="#e15759", linestyle="--", linewidth=1)
+        values.append(budget)
+    ax.set_yscale("log")
+    _bytes_axis(ax.yaxis, values)
+    labels = []
+    for tier in shown:
+        device = tier.measured_device_type
+        est = tier.estimate_device_type
+        labels.append(f"{tier.name}\nest. {est or '-'} / meas. {device or '-'}")
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    from matplotlib.patches import Patch
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Patch(color="#4e79a7", label="estimated peak"),
+                       Patch(color="#f28e2b", label="measured peak allocated (CPU: RSS)"),
+                       Patch(color="#ffbe7d", label="measured peak reserved (CPU: RSS)"),
+                       Patch(facecolor="white", edgecolor="#444444", hatch="//",
+                             label="measured on another device than estimated"),
+                       Line2D([], [], color="#e15759", marker="x", linestyle="", mew=2,
+                              label="allocation that failed (OOM)")]
+              + ([Line2D([], [], color="#e15759", linestyle="--", linewidth=1,
+                         label=f"budget {format_bytes(budget)}")] if budget else []),
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_ylabel("bytes (log scale)")
+    ax.set_title(title)
+    return _png(fig)
+
+
+def plot_breakdown(tiers: list[Tier]) -> bytes:
+    title = "What each estimate is made of (share of the estimated peak)"
+    shown = [t for t in tiers if t.estimate and isinstance(t.estimate.get("breakdown"), dict)]
+    if not shown:
+        return _empty(title, "No estimate with a breakdown yet.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 0.42 * len(shown) + 1.4))
+    y = np.arange(len(shown))[::-1]
+    for i, tier in enumerate(shown):
+        parts = [float(tier.estimate["breakdown"].get(k) or 0.0) for k in BREAKDOWN_KEYS]
+        total = sum(parts) or 1.0
+        left = 0.0
+        for part, key, color in zip(parts, BREAKDOWN_KEYS, BREAKDOWN_COLORS):
+            ax.barh(y[i], part / total, left=left, color=color, label=key if i == 0 else None)
+            left += part / total
+        ax.annotate(format_bytes(tier.estimated_peak or total), (1.0, y[i]), xytext=(4, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    ax.set_yticks(y, [t.name for t in shown])
+    ax.set_xlim(0, 1)
+    ax.xaxis.set_major_formatter(lambda v, _pos: f"{v:.0%}")
+    ax.legend(ncols=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both lower memory and higher quality."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def plot_quality(tiers: list[Tier], colors: dict[str, str]) -> bytes:
+    title = "Quality vs peak memory (Pareto view: up and left is better)"
+    shown = [t for t in tiers if t.overall_si_sdr is not None and (t.peak_allocated or t.estimated_peak)]
+    if not shown:
+        return _empty(title, "No evaluated tier yet.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    points = []
+    for tier in shown:
+        measured = tier.peak_allocated is not None
+        x = tier.peak_allocated if measured else tier.estimated_peak
+        y = tier.overall_si_sdr
+        points.append((x, y))
+        marker = ("s" if tier.measured_device_type == "cpu" else "o") if measured else "D"
+        ax.scatter([x], [y], s=60, marker=marker, color=colors[tier.name],
+                   facecolors=colors[tier.name] if measured else "none", zorder=3)
+        ax.annotate(tier.name, (x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
+    front = pareto_front(points)
+    fx, fy = zip(*[points[i] for i in front])
+    ax.step(fx, fy, where="post", color="#888888", linestyle="--", linewidth=1, zorder=1,
+            label="Pareto front")
+    mixture = [t.scores["overall"].get("si_sdr_mixture") for t in shown]
+    mixture = [m for m in mixture if m is not None]
+    if mixture:
+        ax.axhline(float(np.mean(mixture)), color="#bbbbbb", linestyle=":", label="mixture (no separation)")
+    ax.set_xscale("log")
+    xs = [p[0] for p in points]
+    _bytes_axis(ax.xaxis, [min(xs) / 1.5, max(xs) * 1.5])
+    ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], marker="o", linestyle="", color="#555555", label="measured on CUDA (allocated)"),
+               Line2D([], [], marker="s", linestyle="", color="#555555", label="measured on CPU (peak RSS)"),
+               Line2D([], [], marker="D", linestyle="", color="#555555", markerfacecolor="none",
+                      label="estimate (not measured)")]
+    handles += ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.set_xlabel("peak memory (log scale)")
+    ax.set_ylabel("SI-SDR, mean of stems (dB)")
+    ax.set_title(title)
+    return _png(fig)
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["step"], r[key]) for r in rows
+             if r.get("step") is not None and r.get(key) is not None and math.isfinite(r[key])]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_curves(tiers: list[Tier], colors: dict[str, str]) -> bytes:
+    title = "Training and validation curves"
+    shown = [t for t in tiers if t.metrics]
+    if not shown:
+        return _empty(title, "No metrics.csv yet.")
+    plt = _pyplot()
+    fig, (loss_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for tier in shown:
+        color = colors[tier.name]
+        steps, loss = _series(tier.metrics, "loss")
+        if steps:
+            loss_ax.plot(steps, loss, color=color, linewidth=0.8, alpha=0.85, label=f"{tier.name} train")
+        steps, val = _series(tier.metrics, "val_loss")
+        if steps:
+            loss_ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3,
+                         label=f"{tier.name} valid")
+        steps, si = _series(tier.metrics, "val_si_sdr")
+        if steps:
+            val_ax.plot(steps, si, color=color, marker="o", markersize=3, label=f"{tier.name} SI-SDR")
+        steps, sdr = _series(tier.metrics, "val_sdr")
+        if steps:
+            val_ax.plot(steps, sdr, color=color, linestyle=":", marker="^", markersize=3,
+                        label=f"{tier.name} SDR")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title("loss: training (solid), validation (dashed)")
+    val_ax.set_xlabel("step")
+    val_ax.set_ylabel("dB")
+    val_ax.set_title("validation SI-SDR (solid) and SDR (dotted)")
+    for ax in (loss_ax, val_ax):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return _png(fig)
+
+
+def plot_memory_steps(tiers: list[Tier], colors: dict[str, str]) -> bytes:
+    title = "Memory over training steps"
+    shown = [t for t in tiers if t.memory]
+    if not shown:
+        return _empty(title, "No memory.csv yet.")
+    plt = _pyplot()
+    devices = sorted({t.measured_device_type or "unknown" for t in shown})
+    fig, axes = plt.subplots(1, len(devices), figsize=(5.5 * len(devices) + 0.5, 4.0), squeeze=False)
+    for ax, device in zip(axes[0], devices):
+        on_device = [t for t in shown if (t.measured_device_type or "unknown") == device]
+        largest = max(max(_series(t.memory, "reserved")[1] + _series(t.memory, "allocated")[1] or [0.0])
+                      for t in on_device)
+        unit, scale = ("GiB", 2.0**30) if largest >= 2**30 else ("MiB", 2.0**20)  # plain ticks in one unit
+        for tier in on_device:
+            color = colors[tier.name]
+            steps, allocated = _series(tier.memory, "allocated")
+            label = f"{tier.name} RSS" if device == "cpu" else f"{tier.name} allocated"
+            ax.plot(steps, [v / scale for v in allocated], color=color, label=label)
+            steps_r, reserved = _series(tier.memory, "reserved")
+            if reserved != allocated:  # CPU rows repeat RSS in both columns: draw it once
+                ax.plot(steps_r, [v / scale for v in reserved], color=color, linestyle="--",
+                        label=f"{tier.name} reserved")
+            if tier.estimated_peak and tier.devices_match:
+                ax.axhline(tier.estimated_peak / scale, color=color, linestyle=":", linewidth=1,
+                           label=f"{tier.name} estimated peak")
+        what = "resident set size (allocated = reserved = RSS)" if device == "cpu" else \
+            "allocated (solid), reserved (dashed)"
+        ax.set_title(f"measured on {device}: {what}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return _png(fig)
+
+
+def plot_stems(tiers: list[Tier], colors: dict[str, str]) -> bytes:
+    title = "SI-SDR per stem over the test tracks (box: quartiles; dots: tracks)"
+    shown = [t for t in tiers if t.scores and t.scores.get("per_track")]
+    if not shown:
+        return _empty(title, "No evaluated tier yet.")
+    plt = _pyplot()
+    stems = list(shown[0].scores.get("sources") or next(iter(shown[0].scores["per_track"].values())))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 * len(stems) * len(shown) / 2 + 3), 4.4))
+    rng = np.random.default_rng(0)  # fixed jitter: the same results draw the same picture
+    width = 0.8 / len(shown)
+    for j, tier in enumerate(shown):
+        positions, data = [], []
+        for s, stem in enumerate(stems):
+            values = [float(track[stem]["si_sdr"]) for track in tier.scores["per_track"].values()
+                      if stem in track and track[stem].get("si_sdr") is not None
+                      and math.isfinite(float(track[stem]["si_sdr"]))]
+            if not values:
+                continue
+            pos = s - 0.4 + width * (j + 0.5)
+            positions.append(pos)
+            data.append(values)
+            ax.scatter(pos + rng.uniform(-width / 4, width / 4, len(values)), values, s=12,
+                       color=colors[tier.name], edgecolors="white", linewidths=0.4, zorder=3)
+        if data:
+            box = ax.boxplot(data, positions=positions, widths=width * 0.8, patch_artist=True,
+                             showfliers=False, manage_ticks=False)
+            for patch in box["boxes"]:
+                patch.set(facecolor=colors[tier.name], alpha=0.35, edgecolor=colors[tier.name])
+            for median in box["medians"]:
+                median.set(color=colors[tier.name], linewidth=1.5)
+        ax.plot([], [], color=colors[tier.name], marker="s", linestyle="", label=tier.name)
+    ax.set_xticks(range(len(stems)), stems)
+    ax.set_ylabel("SI-SDR (dB)")
+    ax.axhline(0, color="#999999", linewidth=0.8)
+    ax.legend(fontsize=7, ncols=min(4, len(shown)))
+    ax.set_title(title)
+    return _png(fig)
+
+
+def make_plots(tiers: list[Tier], budget: float | None) -> dict[str, bytes]:
+    """{plot file stem: PNG bytes} for every plot in PLOTS."""
+    colors = tier_colors(tiers)
+    drawn = {
+        "memory_estimate_vs_measured": lambda: plot_memory(tiers, budget),
+        "memory_breakdown": lambda: plot_breakdown(tiers),
+        "quality_vs_memory": lambda: plot_quality(tiers, colors),
+        "training_curves": lambda: plot_curves(tiers, colors),
+        "memory_over_steps": lambda: plot_memory_steps(tiers, colors),
+        "stem_si_sdr": lambda: plot_stems(tiers, colors),
+    }
+    with _pyplot().rc_context(STYLE):  # the report's style, without changing the process's defaults
+        return {name: drawn[name]() for name, _title in PLOTS}

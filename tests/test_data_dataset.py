@@ -1,0 +1,150 @@
+"""Reading prepared folders and the training loader: determinism (whatever the worker count),
+augmentation bounds, silence rejection, validation segments."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from data_helpers import make_cfg
+from tiersep.data.dataset import MAX_DRAWS, SegmentDataset, make_loader, rms_db, validation_segments
+from tiersep.data.errors import DataError
+from tiersep.data.prepare import prepare
+from tiersep.data.tracks import load_manifest, read_stem, read_track, track_names
+
+SOURCES = ["vocals", "drums", "bass", "other"]
+SEGMENT = 4000
+AUGMENT = {"remix": True, "gain_min": 0.25, "gain_max": 1.25, "channel_swap": True, "silence_db": -60.0}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds")
+    out = tmp / "prepared" / "synthetic" / "8000"
+    prepare(make_cfg(tmp), out, 8000, progress=False)
+    return out
+
+
+def test_track_names_and_read_track(data_dir):
+    manifest = load_manifest(data_dir)
+    for split in ("train", "valid", "test"):
+        assert track_names(data_dir, split) == manifest["splits"][split] != []
+    name = track_names(data_dir, "test")[0]
+    mixture, stems = read_track(data_dir, "test", name, SOURCES)
+    samples = manifest["tracks"][-1]["samples"]
+    assert mixture.shape == (2, samples) and stems.shape == (4, 2, samples)
+    assert mixture.dtype == stems.dtype == np.float32
+    np.testing.assert_allclose(mixture, stems.sum(axis=0), atol=2e-6)
+    for i, source in enumerate(SOURCES):
+        assert np.array_equal(stems[i], sf.read(str(data_dir / "test" / name / f"{source}.wav"), dtype="float32")[0].T)
+    _, accompaniment = read_track(data_dir, "test", name, ["vocals", "accompaniment"])
+    np.testing.assert_allclose(accompaniment[1], stems[1:].sum(axis=0), atol=1e-6)
+
+
+def test_partial_reads_and_errors(data_dir, tmp_path):
+    name = track_names(data_dir, "train")[0]
+    whole = read_stem(data_dir, "train", name, "bass")
+    assert np.array_equal(read_stem(data_dir, "train", name, "bass", 1000, 500), whole[:, 1000:1500])
+    tail = read_stem(data_dir, "train", name, "bass", whole.shape[1] - 100, 300)  # past the end: zeros
+    assert tail.shape == (2, 300) and np.array_equal(tail[:, :100], whole[:, -100:]) and not tail[:, 100:].any()
+    with pytest.raises(DataError, match="unknown split 'dev'"):
+        track_names(data_dir, "dev")
+    with pytest.raises(DataError, match=r"manifest.json: not found; is .* a folder written by `tiersep prepare`"):
+        load_manifest(tmp_path)
+    with pytest.raises(DataError, match=r"model.sources: 'speech1' not in a MUSDB prepared folder"):
+        SegmentDataset(data_dir, "train", ["speech1"], SEGMENT, 0, AUGMENT)
+
+
+def test_same_step_same_batch(data_dir):
+    a = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=7, augment=AUGMENT)
+    b = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=7, augment=AUGMENT)
+    mix, stems = a.batch(12, 3)
+    assert mix.shape == (3, 2, SEGMENT) and stems.shape == (3, 4, 2, SEGMENT) and mix.dtype == torch.float32
+    a.batch(13, 3)  # what came before does not matter
+    for other in (a.batch(12, 3), b.batch(12, 3)):
+        assert torch.equal(other[0], mix) and torch.equal(other[1], stems)
+    assert not torch.equal(a.batch(14, 3)[0], mix)
+    c = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=8, augment=AUGMENT)
+    assert not torch.equal(c.batch(12, 3)[0], mix)
+
+
+def test_loader_content_independent_of_workers_and_resume(data_dir):
+    ds = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=1, augment=AUGMENT)
+    serial = list(make_loader(ds, 2, num_workers=0, start_step=0, stop_step=6))
+    rng_before = torch.get_rng_state()
+    parallel = list(make_loader(ds, 2, num_workers=2, start_step=0, stop_step=6))
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the global torch RNG is left alone
+    resumed = make_loader(ds, 2, num_workers=2, start_step=3)  # endless, as the trainer uses it
+    resumed = [next(resumed) for _ in range(3)]
+    assert [s for s, _, _ in serial] == [s for s, _, _ in parallel] == list(range(6))
+    assert [s for s, _, _ in resumed] == [3, 4, 5]
+    for (s0, m0, t0), (s1, m1, t1) in zip(serial, parallel):
+        assert torch.equal(m0, m1) and torch.equal(t0, t1), s0
+    for (s0, m0, t0), (s1, m1, t1) in zip(serial[3:], resumed):
+        assert s0 == s1 and torch.equal(m0, m1) and torch.equal(t0, t1)
+
+
+def test_augmentations_stay_in_bounds(data_dir):
+    aug = {**AUGMENT, "gain_min": 0.5, "gain_max": 1.1}
+    ds = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=3, augment=aug)
+    gains, swaps, mixed_tracks = [], [], 0
+    for index in range(24):
+        mixture, stems, plan = ds.segment(5, index, with_plan=True)
+        by_stem = {p["stem"]: p for p in plan["stems"]}
+        mixed_tracks += len({p["track"] for p in plan["stems"]}) > 1 or len({p["offset"] for p in plan["stems"]}) > 1
+        for i, source in enumerate(SOURCES):
+            p = by_stem[source]
+            gains.append(p["gain"])
+            swaps.append(p["swap"])
+            raw = read_stem(data_dir, "train", p["track"], source, p["offset"], SEGMENT)
+            expected = (raw[::-1] if p["swap"] else raw) * np.float32(p["gain"])
+            np.testing.assert_allclose(stems[i], expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(mixture, stems.sum(axis=0), atol=1e-6)  # mixture = sum of augmented stems
+        assert rms_db(mixture) >= aug["silence_db"]
+    assert min(gains) >= 0.5 and max(gains) <= 1.1 and max(gains) - min(gains) > 0.4
+    assert 0.25 < np.mean(swaps) < 0.75
+    assert mixed_tracks >= 20  # remix: stems from independently drawn tracks and offsets
+
+
+def test_no_augmentation_is_one_track_and_offset(data_dir):
+    ds = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=3, augment=None)
+    mixture, stems, plan = ds.segment(0, 0, with_plan=True)
+    assert len({(p["track"], p["offset"]) for p in plan["stems"]}) == 1
+    assert all(p["gain"] == 1.0 and not p["swap"] for p in plan["stems"])
+    track, offset = plan["stems"][0]["track"], plan["stems"][0]["offset"]
+    np.testing.assert_allclose(mixture, read_stem(data_dir, "train", track, "mixture", offset, SEGMENT), atol=2e-6)
+
+
+def test_silent_segments_are_redrawn(data_dir, tmp_path):
+    copy = tmp_path / "prepared"
+    shutil.copytree(data_dir, copy)
+    silent, loud = track_names(copy, "train")[:2]
+    for stem in ("mixture", "drums", "bass", "other", "vocals"):  # same size, so the manifest still holds
+        path = copy / "train" / silent / f"{stem}.wav"
+        data, rate = sf.read(str(path), dtype="float32")
+        sf.write(str(path), np.zeros_like(data), rate, subtype="FLOAT")
+    ds = SegmentDataset(copy, "train", SOURCES, SEGMENT, seed=0, augment={**AUGMENT, "remix": False})
+    plans = [ds.segment(0, i, with_plan=True)[2] for i in range(16)]
+    assert all(p["stems"][0]["track"] == loud for p in plans)
+    assert any(p["draws"] > 1 for p in plans)  # some first draws hit the silent track and were redrawn
+    for stem in ("mixture", "drums", "bass", "other", "vocals"):  # now everything is silent:
+        shutil.copy(copy / "train" / silent / f"{stem}.wav", copy / "train" / loud / f"{stem}.wav")
+    mixture, _stems, plan = SegmentDataset(copy, "train", SOURCES, SEGMENT, 0, AUGMENT).segment(0, 0, with_plan=True)
+    assert plan["draws"] == MAX_DRAWS and not mixture.any()  # bounded: gives up and keeps the last draw
+
+
+def test_validation_segments_fixed_and_unaugmented(data_dir):
+    mix, stems = validation_segments(data_dir, SOURCES, SEGMENT, count=3, seed=0)
+    again = validation_segments(data_dir, SOURCES, SEGMENT, count=3, seed=0)
+    assert mix.shape == (3, 2, SEGMENT) and stems.shape == (3, 4, 2, SEGMENT)
+    assert torch.equal(mix, again[0]) and torch.equal(stems, again[1])
+    torch.testing.assert_close(mix, stems.sum(dim=1), atol=2e-6, rtol=0)  # un-augmented: the file's mixture
+    name = track_names(data_dir, "valid")[0]
+    whole_mixture, _ = read_track(data_dir, "valid", name, SOURCES)
+    found = [o for o in range(whole_mixture.shape[1] - SEGMENT + 1)
+             if np.array_equal(whole_mixture[:, o:o + SEGMENT], mix[0].numpy())]
+    assert found, "segment 0 is a slice of the valid track"
+    assert min(rms_db(s.numpy()) for s in stems[0]) > -60

@@ -1,0 +1,139 @@
+"""The synthetic MUSDB18-HQ generator: real layout, parsed by the real musdb, exact mixtures,
+deterministic, musically structured stems."""
+from __future__ import annotations
+
+import musdb
+import numpy as np
+import pytest
+import soundfile as sf
+
+from data_helpers import TINY, make_cfg
+from tiersep.data import synthetic
+
+STEMS = ("drums", "bass", "other", "vocals")
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    cfg = make_cfg(tmp_path_factory.mktemp("synth"))
+    root, info = synthetic.ensure_synthetic(cfg, progress=False)
+    return cfg, root, info
+
+
+def test_output_parses_with_musdb_wav_layout(generated):
+    _cfg, root, info = generated
+    db = musdb.DB(root=str(root), is_wav=True)
+    assert len(db) == TINY["train_tracks"] + TINY["test_tracks"]
+    assert sorted(t.name for t in db) == sorted(t["name"] for t in info["tracks"])
+    assert [t.subset for t in musdb.DB(root=str(root), is_wav=True, subsets="test")] == ["test"]
+    for track in db:
+        assert " - " in track.name and track.artist and track.title
+        assert track.rate == TINY["sample_rate"]
+        assert track.samples == int(TINY["track_seconds"] * TINY["sample_rate"])
+        assert set(track.sources) == set(STEMS)
+    # musdb decodes through ffmpeg to 16-bit: its reading matches the float file to 16-bit precision
+    track = db.tracks[0]
+    ours = sf.read(str(root / track.subset / track.name / "vocals.wav"), dtype="float32")[0]
+    assert track.sources["vocals"].audio.shape == ours.shape == (track.samples, 2)
+    np.testing.assert_allclose(track.sources["vocals"].audio, ours, atol=2 / 32768)
+
+
+def test_mixture_is_exactly_the_sum_of_the_stems(generated):
+    _cfg, root, info = generated
+    for entry in info["tracks"]:
+        folder = root / entry["subset"] / entry["name"]
+        stems = {s: sf.read(str(folder / f"{s}.wav"), dtype="float32")[0] for s in STEMS}
+        mixture, _ = sf.read(str(folder / "mixture.wav"), dtype="float32")
+        assert sf.info(str(folder / "mixture.wav")).subtype == "FLOAT"
+        assert np.array_equal(mixture, ((stems["drums"] + stems["bass"]) + stems["other"]) + stems["vocals"])
+        assert np.abs(mixture).max() <= 0.9
+
+
+def test_valid_tracks_are_the_last_train_tracks(generated):
+    _cfg, _root, info = generated
+    train = [t["name"] for t in info["tracks"] if t["subset"] == "train"]
+    assert info["valid_tracks"] == train[-TINY["valid_tracks"]:]
+
+
+def test_deterministic_and_seed_dependent(tmp_path, generated):
+    cfg, root, info = generated
+    again = synthetic.generate(tmp_path / "again", synthetic.generator_settings(cfg), progress=False)
+    assert [t["name"] for t in again["tracks"]] == [t["name"] for t in info["tracks"]]
+    for entry in info["tracks"]:
+        for stem in ("mixture", *STEMS):
+            rel = f"{entry['subset']}/{entry['name']}/{stem}.wav"
+            assert np.array_equal(_audio(root / rel), _audio(tmp_path / "again" / rel)), rel
+    other = synthetic.generate(tmp_path / "other", {**synthetic.generator_settings(cfg), "seed": 4}, progress=False)
+    first, ours = other["tracks"][0], info["tracks"][0]
+    theirs = _audio(tmp_path / "other" / first["subset"] / first["name"] / "mixture.wav")
+    assert not np.array_equal(theirs, _audio(root / ours["subset"] / ours["name"] / "mixture.wav"))
+
+
+def test_cached_folder_is_reused(generated):
+    cfg, root, _info = generated
+    marker = root / synthetic.MARKER
+    before = marker.stat().st_mtime_ns
+    again_root, _ = synthetic.ensure_synthetic(cfg, progress=False)
+    assert again_root == root and marker.stat().st_mtime_ns == before
+    assert root.parent == synthetic.raw_root(cfg) and root.name.startswith("synthetic-")
+
+
+def test_tracks_differ_in_tempo_key_and_gains(generated):
+    _cfg, _root, info = generated
+    assert len({t["bpm"] for t in info["tracks"]}) == len(info["tracks"])
+    assert len({(t["key"], t["mode"]) for t in info["tracks"]}) > 1
+
+
+def test_stems_are_musically_distinct():
+    """Bass sits low, drums are noise-like and broadband, the voice is pitched in a singing range
+    and has silences (rests between phrases)."""
+    sr = 16000
+    rng = np.random.default_rng(np.random.SeedSequence([5, 0]))
+    stems, params = synthetic.synth_track(rng, sr, 8 * sr)
+    spectra = {k: np.abs(np.fft.rfft(v.mean(axis=1))) ** 2 for k, v in stems.items()}
+    freqs = np.fft.rfftfreq(8 * sr, 1 / sr)
+
+    def share_below(stem, hz):
+        return spectra[stem][freqs < hz].sum() / spectra[stem].sum()
+
+    assert share_below("bass", 400) > 0.9
+    assert share_below("drums", 400) < 0.8 and share_below("drums", 2000) < 0.95  # broadband
+    assert 0.1 < share_below("vocals", 400) < 0.95
+    flatness = {k: _spectral_flatness(v[:, 0]) for k, v in stems.items()}
+    assert flatness["drums"] > 0.02  # noise-like hits...
+    assert max(flatness["bass"], flatness["other"], flatness["vocals"]) < 0.005  # ...the rest harmonic
+    vocal_frames = stems["vocals"][: 8 * sr // 400 * 400, 0].reshape(-1, 400)
+    assert (np.abs(vocal_frames).max(axis=1) < 1e-6).mean() > 0.03  # some silence: rests
+    for stem in STEMS:
+        assert np.sqrt((stems[stem] ** 2).mean()) > 1e-3, stem
+        assert stems[stem].dtype == np.float32 and stems[stem].shape == (8 * sr, 2)
+    assert set(params["active_bars"]) == set(STEMS)
+
+
+def _audio(path):
+    # not the file bytes: libsndfile stamps float WAVs with the time of writing (PEAK chunk)
+    return sf.read(str(path), dtype="float32")[0]
+
+
+def _spectral_flatness(x, frame=512):
+    """Median over sounding frames of geometric / arithmetic mean power (1 = white noise, 0 = tones)."""
+    frames = x[: len(x) // frame * frame].reshape(-1, frame) * np.hanning(frame)
+    power = np.abs(np.fft.rfft(frames, axis=1))[:, 3:200] ** 2 + 1e-12
+    sounding = power.sum(axis=1) > 1e-6 * power.sum(axis=1).max()
+    power = power[sounding]
+    return float(np.median(np.exp(np.log(power).mean(axis=1)) / power.mean(axis=1)))
+
+
+def test_publish_never_replaces_a_complete_folder(tmp_path):
+    """Two jobs generating the same set at once: the second keeps the first's folder (which the
+    first may be reading) instead of deleting it; a stale, incomplete folder is replaced."""
+    final, staging = tmp_path / "final", tmp_path / "staging"
+    for folder, text in ((final, "first"), (staging, "second")):
+        folder.mkdir()
+        (folder / "marker").write_text(text)
+    synthetic.publish_dir(staging, final, lambda p: (p / "marker").is_file())
+    assert (final / "marker").read_text() == "first"
+    (final / "marker").unlink()
+    (final / "partial").write_text("")
+    synthetic.publish_dir(staging, final, lambda p: (p / "marker").is_file())
+    assert (final / "marker").read_text() == "second" and not staging.exists()
