@@ -1,0 +1,117 @@
+"""The pipeline on a real single-node SLURM cluster through `snakemake --profile profiles/slurm`.
+
+A session fixture starts munged, slurmctld and slurmd by hand (tests/slurm/start.sh; no systemd)
+with one fake GPU (gres.conf: File=/dev/null) and no accounting database, and stops them by pid
+at the end (tests/slurm/stop.sh). The test is skipped, with the reason, when the Debian packages
+are missing: apt-get install -y slurmctld slurmd slurm-client munge
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY_CONFIG, copy_workflow, run_snakemake
+from test_cluster_containers import _job_counts
+
+SLURM_SCRIPTS = REPO / "tests" / "slurm"
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "srun")
+APT_LINE = "apt-get install -y slurmctld slurmd slurm-client munge"
+PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
+GPU_RULES = ("train", "evaluate")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A running single-node cluster; yields the environment its clients need (SLURM_CONF)."""
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing); CI installs it with: {APT_LINE}")
+    if os.geteuid() != 0:
+        pytest.skip("the test cluster runs its daemons and jobs as root; run the tests as root")
+    run_dir = tmp_path_factory.mktemp("slurm")
+    start = subprocess.run([str(SLURM_SCRIPTS / "start.sh"), str(run_dir)], text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    try:
+        if start.returncode == 2:  # a precondition, not a failure (e.g. a real cluster's config is there)
+            pytest.skip(f"cannot start the test cluster: {start.stdout.strip()}")
+        assert start.returncode == 0, f"tests/slurm/start.sh failed:\n{start.stdout}"
+        yield {"SLURM_CONF": str(run_dir / "slurm.conf")}
+    finally:
+        subprocess.run([str(SLURM_SCRIPTS / "stop.sh"), str(run_dir)], timeout=60,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_profile_configures_squeue_status_requeue_and_gpus():
+    profile = yaml.safe_load(PROFILE.read_text())
+    assert profile["executor"] == "slurm"
+    assert profile["slurm-status-command"] == "squeue", "sacct hangs or fails without an accounting database"
+    assert profile["slurm-requeue"] is True
+    assert int(profile["jobs"]) >= 1
+    for rule in GPU_RULES:
+        assert profile["set-resources"][rule]["gpu"] == 1
+    assert "input.estimate" in profile["set-resources"]["train"]["mem_mb"]
+
+
+@pytest.mark.slow
+def test_pipeline_runs_on_slurm_with_every_job_through_sbatch(slurm_cluster, tmp_path):
+    workdir = copy_workflow(tmp_path / "wf")
+    started = time.monotonic()
+    # The profile as users get it; two test-only overrides: poll squeue after 2 s instead of 40 s,
+    # and keep the SLURM logs of successful jobs so the test can look at them.
+    proc = run_snakemake(workdir, "--profile", str(workdir / "profiles" / "slurm"),
+                         "--configfile", str(TINY_CONFIG.relative_to(REPO)),
+                         "--slurm-init-seconds-before-status-checks", "2",
+                         "--slurm-keep-successful-logs",
+                         timeout=600, env=slurm_cluster)
+    seconds = time.monotonic() - started
+    print(f"pipeline on the test SLURM cluster: {seconds:.1f} s")
+    assert (workdir / "results" / "report" / "index.html").is_file()
+
+    # "Job 3 has been submitted with SLURM jobid 7 (log: .../slurm_logs/rule_train/<wildcards>/7.log)."
+    submitted = {int(m.group(2)): (int(m.group(1)), m.group(3)) for m in re.finditer(
+        r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: .*?/slurm_logs/rule_(\w+?)/", proc.stdout)}
+    stats = _job_counts(proc.stdout)
+    expected = {rule: n for rule, n in stats.items() if rule != "all"}  # `all` runs nothing
+    by_rule: dict[str, list[int]] = {}
+    for slurm_id, (_, rule) in submitted.items():
+        by_rule.setdefault(rule, []).append(slurm_id)
+    assert {rule: len(ids) for rule, ids in by_rule.items()} == expected, proc.stdout[-4000:]
+    assert len({job for job, _ in submitted.values()}) == sum(expected.values())
+
+    for slurm_id, (_, rule) in submitted.items():
+        record = _scontrol_job(slurm_id, slurm_cluster)
+        assert record["JobState"] == "COMPLETED", (slurm_id, rule, record)
+        assert record["Comment"].startswith(f"rule_{rule}"), record["Comment"]
+        log = workdir / ".snakemake" / "slurm_logs" / f"rule_{rule}"
+        assert list(log.rglob(f"{slurm_id}.log")), f"no SLURM log for job {slurm_id} ({rule})"
+        asks_gpu = "gpu:1" in record.get("TresPerJob", "")
+        assert asks_gpu == (rule in GPU_RULES), f"{rule} job {slurm_id}: TresPerJob={record.get('TresPerJob')}"
+    # Each train job's host memory is the profile's expression of the tier's VRAM estimate
+    # (first attempt): max(8000, 1.25 x peak MiB + 2048) MB.
+    for slurm_id in by_rule["train"]:
+        record = _scontrol_job(slurm_id, slurm_cluster)
+        tier = record["Comment"].split("_wildcards_", 1)[1]
+        peak = json.loads((workdir / "results" / "vram" / f"{tier}.json").read_text())["peak_bytes"]
+        expected_mb = max(8000, int(1.25 * peak / 2**20) + 2048)
+        assert _tres_mem_mb(record["TRES"]) == expected_mb, (tier, peak, record["TRES"])
+
+
+def _tres_mem_mb(tres: str) -> float:
+    """The mem= entry of a TRES string ("cpu=2,mem=8000M,node=1") in MB (SLURM prints 4096M as 4G)."""
+    value, unit = re.search(r"mem=([\d.]+)([KMGT])", tres).groups()
+    return float(value) * {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}[unit]
+
+
+def _scontrol_job(slurm_id: int, env: dict) -> dict[str, str]:
+    """`scontrol show job -o ID` as {field: value} (finished jobs stay MinJobAge = 300 s)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(slurm_id)], text=True, check=True,
+                         capture_output=True, env={**os.environ, **env}, timeout=30).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
