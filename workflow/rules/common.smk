@@ -26,6 +26,7 @@ def _load_effective_config():
 CFG, CONFIG_FILE = _load_effective_config()
 RESULTS = CFG["results_dir"]
 CONTAINER = CFG["container"]
+CONDA_ENV = "../../envs/tiersep.yaml"  # for --sdm conda; relative to workflow/rules/
 
 
 def _trials():

@@ -16,5 +16,7 @@ rule prepare:
         runtime=60,
     container:
         CONTAINER
+    conda:
+        CONDA_ENV
     shell:
         "tiersep prepare --config {params.config} --out {output} --sample-rate {wildcards.rate} > {log} 2>&1"

@@ -18,5 +18,7 @@ rule estimate:
         runtime=15,
     container:
         CONTAINER
+    conda:
+        CONDA_ENV
     shell:
         "tiersep estimate --config {params.config} --preset {wildcards.preset} --out {output.json} > {log} 2>&1"

@@ -21,6 +21,8 @@ rule evaluate:
         runtime=6 * 60,
     container:
         CONTAINER
+    conda:
+        CONDA_ENV
     shell:
         "tiersep evaluate --config {params.config} --preset {wildcards.preset} --model {input.model}"
         " --data {input.data} --out {params.outdir} > {log} 2>&1"

@@ -25,5 +25,7 @@ rule report:
         runtime=10,
     container:
         CONTAINER
+    conda:
+        CONDA_ENV
     shell:
         "tiersep report --config {params.config} --results {params.results} --out {params.outdir} > {log} 2>&1"
