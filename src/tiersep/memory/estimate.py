@@ -1,0 +1,146 @@
+"""`estimate()`: the results/vram/<preset>.json record, by trace, analytic or measure.
+
+What `peak_bytes` means (the number the fit gate compares with the budget):
+- device cuda: the GPU memory the training process occupies at its peak, as nvidia-smi would show
+  it = the caching allocator's peak *reserved* bytes + the CUDA context. It is therefore larger
+  than `torch.cuda.max_memory_allocated()`; compare that counter with `allocated_peak_bytes` and
+  `torch.cuda.max_memory_reserved()` with `reserved_peak_bytes`.
+- device cpu: the peak of live tensor bytes (what the CPU trace counts; torch has no CPU allocator
+  counter). The process's RSS adds the Python/torch baseline and malloc slack on top of it.
+`breakdown` splits peak_bytes: weights, gradients, optimizer (AdamW state), activations (saved for
+backward, plus the input batch), transient (backward and optimizer temporaries) are the tensors live
+at the moment of the allocated peak; overhead is everything else (CUDA context, cuBLAS workspace,
+memory the allocator holds cached beyond the live tensors).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import analytic
+from .trace import CPU_UNCERTAINTY, CUDA_CONTEXT_BYTES, CUDA_UNCERTAINTY, CUBLAS_WORKSPACE_BYTES, trace_step
+
+METHODS = ("trace", "analytic", "measure")
+BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
+
+
+def modelled_backend(preset: dict, device: str) -> str:
+    """The SDPA kernel the estimate assumes (what torch picks on that device for this preset)."""
+    from .cuda_model import choose_cuda_backend
+
+    m, t = preset["model"], preset["train"]
+    if device == "cuda":
+        dtype = torch.bfloat16 if t["precision"] == "bf16" else torch.float32
+        return choose_cuda_backend(m["attention_backend"], dtype, m["attention_dim"] // m["n_heads"], False)
+    # CPU: the flash kernel for CPU takes no dropout; otherwise the math path
+    if m["attention_backend"] in ("auto", "flash"):
+        return "flash" if m["dropout"] == 0 else "math"
+    return m["attention_backend"]
+
+
+def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_bytes: int | None = None,
+             safety_margin: float = 0.08) -> dict:
+    """Predict the peak memory of one training step of `preset` on `device` (see module docstring)."""
+    if method not in METHODS:
+        raise ValueError(f"estimate.method: {method!r} (allowed: {', '.join(METHODS)})")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"estimate.device: {device!r} (allowed: cuda, cpu)")
+    start = time.time()
+    if method == "trace":
+        record = _from_trace(preset, device)
+    elif method == "analytic":
+        record = analytic.estimate_analytic(preset, device)
+    else:
+        record = _from_measure(preset, device)
+    t = preset["train"]
+    record = {
+        "preset": preset["name"],
+        "method": method,
+        "device": device,
+        **record,
+        "precision": t["precision"],
+        "batch_size": t["batch_size"],
+        "grad_accum": t["grad_accum"],
+        "segment_samples": preset["audio"]["segment_samples"],
+        "checkpointing": preset["model"]["checkpointing"],
+    }
+    return finish(record, budget_bytes, safety_margin, time.time() - start)
+
+
+def finish(record: dict, budget_bytes: int | None, safety_margin: float, seconds: float) -> dict:
+    """Add the budget verdict and the time taken to an estimate record."""
+    margin = int(safety_margin * budget_bytes) if budget_bytes is not None else None
+    record["budget_bytes"] = int(budget_bytes) if budget_bytes is not None else None
+    record["safety_margin"] = safety_margin
+    record["margin_bytes"] = margin
+    record["fits"] = None if budget_bytes is None else bool(record["peak_bytes"] + margin <= budget_bytes)
+    record["seconds"] = round(seconds, 3)
+    return record
+
+
+def _from_trace(preset: dict, device: str) -> dict:
+    r = trace_step(preset, device)
+    breakdown = dict(r.breakdown)
+    live = sum(breakdown.values())
+    if device == "cuda":
+        peak = r.reserved_peak + CUDA_CONTEXT_BYTES
+        overhead_detail = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
+                           "allocator_cache": r.reserved_peak - live - CUBLAS_WORKSPACE_BYTES}
+        uncertainty = CUDA_UNCERTAINTY
+    else:
+        peak = r.allocated_peak
+        overhead_detail = {}
+        uncertainty = CPU_UNCERTAINTY
+    breakdown["overhead"] = peak - live
+    backend = modelled_backend(preset, device)
+    if r.kernels:
+        backend = max(r.kernels, key=r.kernels.get)
+    return {
+        "parameters": r.parameters,
+        "peak_bytes": int(peak),
+        "largest_allocation_bytes": int(r.largest_allocation),
+        "breakdown": {k: int(breakdown[k]) for k in BREAKDOWN_KEYS},
+        "attention_backend": backend,
+        "uncertainty": uncertainty,
+        "allocated_peak_bytes": int(r.allocated_peak),
+        "reserved_peak_bytes": int(r.reserved_peak) if r.reserved_peak is not None else None,
+        "overhead_detail": overhead_detail,
+        "input_bytes": int(r.inputs_bytes),
+        "peak_phase": r.peak_phase,
+        "peak_op": r.peak_op,
+        "top_allocations": r.top_allocations,
+        "micro_batches_traced": r.micro_batches_traced,
+        "events": r.events,
+        "notes": r.notes,
+        "torch": torch.__version__,
+    }
+
+
+def _from_measure(preset: dict, device: str) -> dict:
+    from .measure import measure_step
+
+    r = measure_step(preset, device, steps=2 if device == "cuda" else 1)
+    weights = analytic.static_bytes(preset, device)
+    if device == "cuda":
+        peak = r.reserved_peak + CUDA_CONTEXT_BYTES
+        overhead = peak - r.allocated_peak
+    else:
+        peak, overhead = r.allocated_peak, 0
+    rest = r.allocated_peak - sum(weights.values())
+    breakdown = {**weights, "activations": max(rest, 0), "transient": 0, "overhead": overhead}
+    return {
+        "parameters": r.parameters,
+        "peak_bytes": int(peak),
+        "largest_allocation_bytes": r.largest_allocation,
+        "breakdown": {k: int(breakdown[k]) for k in BREAKDOWN_KEYS},
+        "attention_backend": modelled_backend(preset, device),
+        "uncertainty": 0.0,
+        "allocated_peak_bytes": int(r.allocated_peak),
+        "reserved_peak_bytes": int(r.reserved_peak) if r.reserved_peak is not None else None,
+        "rss_growth_bytes": r.rss_growth,
+        "seconds_per_step": round(r.seconds_per_step, 3),
+        "notes": ["measured: activations holds everything live at the peak beyond weights, gradients "
+                  "and optimizer state (transient is not separated)"],
+        "torch": torch.__version__,
+    }

@@ -1,0 +1,108 @@
+"""The `measure` method: real training steps on the device present, and the peak they reached.
+
+CUDA: torch.cuda.max_memory_allocated / max_memory_reserved after reset_peak_memory_stats, over
+`steps` real steps (the allocator's counters, i.e. what the trace's allocated/reserved predict).
+CPU: the peak of live tensor bytes over real steps, counted by the same StorageTracker the trace
+uses (on real tensors), plus the process's peak RSS growth as an independent check.
+
+Same setup as the trace: AdamW state created before the measured step, every micro-batch's inputs
+resident, the trainer's own train_step.
+"""
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .tracker import FORWARD, StorageTracker, cpu_block_bytes
+
+
+@dataclass
+class MeasureResult:
+    device: str
+    parameters: int
+    allocated_peak: int           # cuda: max_memory_allocated; cpu: peak tracked live bytes
+    reserved_peak: int | None     # cuda: max_memory_reserved
+    rss_growth: int | None        # cpu: peak RSS minus RSS before the step (bytes)
+    largest_allocation: int | None
+    seconds_per_step: float
+
+
+def _model_and_loss(preset):
+    from tiersep.model import build_loss, build_model
+
+    return build_model(preset), build_loss(preset)
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def measure_step(preset: dict, device: str | None = None, steps: int = 1,
+                 model_and_loss=_model_and_loss) -> MeasureResult:
+    """Run `steps` real training steps of `preset` and return the peak memory they reached."""
+    from tiersep.train.step import make_optimizer, train_step
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("measure: device cuda asked for, but no CUDA device is visible")
+    a, t = preset["audio"], preset["train"]
+    batch, accum = t["batch_size"], t["grad_accum"]
+    n_src = len(preset["model"]["sources"])
+    dev = torch.device(device)
+    torch.manual_seed(t["seed"])
+    model, loss_fn = model_and_loss(preset)
+    model = model.to(dev).train()
+    loss_fn = loss_fn.to(dev) if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    optimizer = make_optimizer(model, preset, device)
+    params = list(model.parameters())
+    for p in params:   # AdamW state as after the first step (as the trace does)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    shape = (batch, a["channels"], a["segment_samples"])
+    inputs = [(0.1 * torch.randn(shape, device=dev), 0.1 * torch.randn(batch, n_src, *shape[1:], device=dev))
+              for _ in range(accum)]
+    gc.collect()
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.time()
+        for _ in range(steps):
+            train_step(model, loss_fn, optimizer, inputs, preset, device)
+        torch.cuda.synchronize()
+        seconds = (time.time() - start) / steps
+        return MeasureResult(device, sum(p.numel() for p in params), torch.cuda.max_memory_allocated(),
+                             torch.cuda.max_memory_reserved(), None, None, seconds)
+
+    tracker = StorageTracker(cpu_block_bytes)
+    tracker.register(params + list(model.buffers()))
+    tracker.register([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+    tracker.register([x for pair in inputs for x in pair])
+    rss_before = _current_rss_bytes()
+    peak_rss_before = _peak_rss_bytes()
+    start = time.time()
+    hook = model.register_forward_pre_hook(lambda *_: setattr(tracker, "phase", FORWARD))
+    try:
+        with tracker:
+            for _ in range(steps):
+                train_step(model, loss_fn, optimizer, inputs, preset, device)
+    finally:
+        hook.remove()
+        tracker.stop()
+    seconds = (time.time() - start) / steps
+    peak_rss = _peak_rss_bytes()
+    rss_growth = peak_rss - rss_before if peak_rss > peak_rss_before else None
+    largest = max((x.nbytes for x in tracker.timeline.allocations.values()), default=0)
+    peak, _ = tracker.timeline.replay()
+    return MeasureResult(device, sum(p.numel() for p in params), peak, None, rss_growth, largest, seconds)
+
+
+def _current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss

@@ -1,0 +1,168 @@
+"""Count the bytes of live tensor storages while code runs, on real or fake tensors.
+
+A TorchDispatchMode sees every aten op below autograd, so it sees forward, backward (autograd runs
+the backward ops through the same dispatcher) and optimizer ops alike. Each op output whose storage
+has not been seen before is a new allocation; a weakref finalizer on the storage records its free.
+Fake tensors (FakeTensorMode) have storages too (on the meta device, holding no memory), so the same
+counter gives the live bytes a real run would have without allocating them.
+
+What it cannot see: memory a kernel allocates internally and frees before returning (cuDNN/cuBLAS
+workspaces, fused-kernel scratch); the caller accounts for those explicitly.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Phases of a training step, used to label what an allocation is for.
+SETUP, FORWARD, BACKWARD, UPDATE = "setup", "forward", "backward", "update"
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Size the CUDA caching allocator books for a request: at least 512 B, a multiple of 512 B."""
+    if nbytes <= 0:
+        return 0
+    return max(512, -(-nbytes // 512) * 512)
+
+
+def cpu_block_bytes(nbytes: int) -> int:
+    """CPU allocations (c10 alloc_cpu) are 64-byte aligned; count that granularity."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // 64) * 64
+
+
+@dataclass
+class Allocation:
+    key: int
+    nbytes: int          # rounded bytes
+    phase: str           # phase of the step when it was allocated
+    op: str              # aten op that returned it first ("<registered>" for tensors made earlier)
+    shape: tuple = ()
+    dtype: str = ""
+
+
+@dataclass
+class Timeline:
+    """The ordered allocation/free events of one run, and what is needed to explain its peak."""
+    allocations: dict[int, Allocation] = field(default_factory=dict)
+    events: list[tuple[int, int]] = field(default_factory=list)   # (key, +1 alloc | -1 free)
+
+    def replay(self, exclude: set[int] = frozenset()) -> tuple[int, int]:
+        """(peak live bytes, index of the event that reached it), ignoring keys in `exclude`."""
+        live = peak = 0
+        at = -1
+        for i, (key, sign) in enumerate(self.events):
+            if key in exclude:
+                continue
+            live += sign * self.allocations[key].nbytes
+            if live > peak:
+                peak, at = live, i
+        return peak, at
+
+    def live_at(self, index: int, exclude: set[int] = frozenset()) -> set[int]:
+        """Keys live right after event `index`."""
+        live: set[int] = set()
+        for key, sign in self.events[: index + 1]:
+            if key in exclude:
+                continue
+            if sign > 0:
+                live.add(key)
+            else:
+                live.discard(key)
+        return live
+
+
+class StorageTracker(TorchDispatchMode):
+    """Records every storage allocation and free of the ops run under it (see module docstring).
+
+    `block_bytes` turns a storage's byte size into what the allocator books for it (512-B blocks
+    for CUDA, 64-B alignment for CPU). `phase` is set by the caller (forward) and advanced here:
+    an op run inside an autograd graph task is backward; the first op outside one after backward
+    starts the update (clipping, optimizer step).
+    """
+
+    def __init__(self, block_bytes=cuda_block_bytes):
+        super().__init__()
+        self.block_bytes = block_bytes
+        self.timeline = Timeline()
+        self.phase = SETUP
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.recording = True
+        self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._next_key = 0
+        self._freed: set[int] = set()
+
+    # -- public -------------------------------------------------------------------------------
+    def register(self, tensors, op: str = "<registered>") -> list[int]:
+        """Count tensors that already exist (parameters, inputs made before tracking began)."""
+        return [k for t in tensors if (k := self._see(t, op)) is not None]
+
+    def key_of(self, tensor: torch.Tensor) -> int | None:
+        try:
+            return self._keys.get(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def stop(self) -> None:
+        """Stop recording (storages freed later, e.g. at teardown, are not part of the step)."""
+        self.recording = False
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.recording:
+            if torch._C._current_graph_task_id() != -1:
+                self.phase = BACKWARD
+            elif self.phase == BACKWARD:
+                self.phase = UPDATE
+            name = func.__name__ if hasattr(func, "__name__") else str(func)
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    self._see(value, name)
+        return out
+
+    # -- internals ----------------------------------------------------------------------------
+    def _see(self, tensor: torch.Tensor, op: str) -> int | None:
+        if tensor.layout != torch.strided:
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        nbytes = self.block_bytes(storage.nbytes())
+        key = self._keys.get(storage)
+        if key is not None:
+            known = self.timeline.allocations[key]
+            if nbytes != known.nbytes and self.recording:
+                # A storage resized in place (out= ops): book it as a free plus a new allocation.
+                self._free(key)
+                key = None
+            else:
+                return key
+        if nbytes == 0:
+            return None
+        key = self._next_key
+        self._next_key += 1
+        self._keys[storage] = key
+        self.timeline.allocations[key] = Allocation(key, nbytes, self.phase, op, tuple(tensor.shape),
+                                                    str(tensor.dtype).replace("torch.", ""))
+        self.timeline.events.append((key, +1))
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, key)
+        return key
+
+    def _free(self, key: int) -> None:
+        # A late finalizer of a storage resized earlier must not free it twice.
+        if not self.recording or key in self._freed:
+            return
+        self._freed.add(key)
+        self.timeline.events.append((key, -1))
+        self.live_bytes -= self.timeline.allocations[key].nbytes
