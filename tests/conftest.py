@@ -15,10 +15,10 @@ TINY_CONFIG = REPO / "tests" / "configs" / "tiny.yaml"
 
 
 def copy_workflow(dest: Path) -> Path:
-    """Copy what a run needs (Snakefile, workflow/, config/, profiles/, tests/configs) into dest."""
+    """Copy what a run needs (Snakefile, workflow/, config/, profiles/, envs/, tests/configs) into dest."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "Snakefile", dest / "Snakefile")
-    for folder in ("workflow", "config", "profiles"):
+    for folder in ("workflow", "config", "profiles", "envs"):
         if (REPO / folder).is_dir():
             shutil.copytree(REPO / folder, dest / folder)
     shutil.copytree(REPO / "tests" / "configs", dest / "tests" / "configs")
