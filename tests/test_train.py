@@ -222,6 +222,26 @@ def test_fit_gate_refusal_exits_3_before_training(ws, tmp_path, monkeypatch, cap
     assert not (out / "metrics.csv").exists() and not (out / "model.pt").exists()
 
 
+def test_on_oversize_adapt_trains_the_variant_that_fits(ws, tmp_path, monkeypatch, capsys):
+    """on_oversize: adapt. Micro-batch 8 x 1 of 0.5 s needs ~450 MiB by the CPU gate; with 380 MiB
+    available the trainer trains the variant tiersep.memory.fit derives (same effective batch)."""
+    import psutil
+
+    fake = psutil.virtual_memory()._replace(available=380 * 2**20)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
+    preset = tiny_preset(**{"train.batch_size": 8, "train.grad_accum": 1, "audio.segment_samples": 4000,
+                            "model.dropout": 0.0, "train.steps": 2, "train.validate_every": 2})
+    cfg = {**ws["cfg"], "on_oversize": "refuse"}
+    assert trainer.train(cfg, preset, ws["data"], tmp_path / "refused") == trainer.EXIT_REFUSED
+    out = tmp_path / "adapted"
+    assert trainer.train({**cfg, "on_oversize": "adapt"}, preset, ws["data"], out) == trainer.EXIT_OK
+    run = json.loads((out / "run.json").read_text())
+    assert run["adapted"]["changes"] and "exceeds the budget" in run["adapted"]["reason"]
+    assert run["batch_size"] < 8 and run["batch_size"] * run["grad_accum"] == 8
+    assert run["preset"] == preset["name"]
+    assert "adapted" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ OOM + retry
 def test_injected_oom_writes_failure_and_the_retry_downshifts(ws, tmp_path, monkeypatch):
     """A mock of a GPU out-of-memory error (none can happen on this CPU-only machine): the hook

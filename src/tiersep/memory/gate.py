@@ -21,9 +21,10 @@ class DoesNotFit(Exception):
     """The estimated peak plus the safety margin exceeds the budget; the message says what fits."""
 
     def __init__(self, message: str, estimate: dict | None = None, budget_bytes: int | None = None,
-                 suggestion: list[str] | None = None):
+                 suggestion: list[str] | None = None, fitted: dict | None = None):
         super().__init__(message)
         self.estimate, self.budget_bytes, self.suggestion = estimate, budget_bytes, suggestion
+        self.fitted = fitted  # the variant that fits (what on_oversize: adapt trains), if any
 
 
 def required_bytes(record: dict, device_type: str) -> int:
@@ -54,7 +55,7 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
                f"{CPU_BASE_BYTES / GIB:.2f} GiB process" if device_type == "cpu" else "")
             + f", {estimate.get('attention_backend')} attention) + {safety_margin:.0%} margin "
             f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
-    suggestion = None
+    suggestion = fitted = None
     # fit works in estimate units: on CPU, take off what the gate adds for the process
     fit_budget = budget_bytes if device_type == "cuda" else int(
         (budget_bytes * (1 - safety_margin) - CPU_BASE_BYTES) / CPU_RSS_FACTOR / (1 - safety_margin))
@@ -70,4 +71,5 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
                     f"{preset['name']} --budget {budget_bytes / GIB:.1f}` writes it)")
         except Exception as err:   # nothing fits, or the search failed: say so, still refuse
             hint = f"no variant fits ({str(err).splitlines()[0]})"
-    raise DoesNotFit(f"preset {preset['name']}: {what}; {hint}", estimate, budget_bytes, suggestion)
+    raise DoesNotFit(f"preset {preset['name']}: {what}; {hint}", estimate, budget_bytes, suggestion,
+                     fitted if suggestion else None)

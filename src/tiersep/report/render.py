@@ -163,6 +163,14 @@ def _overall(tier: Tier, key: str) -> str:
     return format_db(((tier.scores or {}).get("overall") or {}).get(key))
 
 
+def _adapted_cell(tier: Tier) -> str:
+    """What on_oversize: adapt changed before training (run.json `adapted`), or "no"."""
+    if not tier.run:
+        return MISSING
+    changes = (tier.run.get("adapted") or {}).get("changes")
+    return "; ".join(changes) if changes else "no"
+
+
 def _yes_no(value) -> str:
     return MISSING if value is None else ("yes" if value else "no")
 
@@ -178,6 +186,7 @@ TIER_COLUMNS = [
     Column("Configuration", "Attention", lambda t: t.attention_backend or MISSING, numeric=False),
     Column("Configuration", "Checkpointing", lambda t: _yes_no(t.setting("model", "checkpointing")),
            numeric=False),
+    Column("Configuration", "Adapted to budget", lambda t: _adapted_cell(t), numeric=False),
     Column("Memory", "Estimated peak", lambda t: format_bytes(t.estimated_peak)),
     Column("Memory", "Estimated for", lambda t: t.estimate_device_type or MISSING, numeric=False),
     Column("Memory", "Measured on", _measured_on, numeric=False),

@@ -205,6 +205,45 @@ def stop_on_signals(flag: StopFlag):
 # ---------------------------------------------------------------------------------------------
 # Resume compatibility
 # ---------------------------------------------------------------------------------------------
+def resume_state(out_dir: Path, preset: dict, resume: bool, quiet: bool = False) -> dict | None:
+    """The checkpoint to continue from, when --resume and it was written for this same preset."""
+    last = ckpt.last_path(out_dir)
+    if not resume:
+        return None
+    if not last.is_file():
+        if not quiet:
+            print(f"tiersep train: no checkpoint at {last}; starting from scratch", file=sys.stderr)
+        return None
+    state = ckpt.load_checkpoint(last)
+    differ = preset_differences(state["preset"], preset)
+    if differ:
+        if not quiet:
+            print(f"tiersep train: {last} was written for a different {preset['name']} preset (differs "
+                  f"in {', '.join(differ)}); starting from scratch", file=sys.stderr)
+        return None
+    return state
+
+
+def adapt_to_budget(cfg: dict, preset: dict, device: torch.device, budget: int, refused) -> tuple:
+    """on_oversize: adapt. Train the nearest variant that fits (the one the gate's refusal names,
+    from tiersep.memory.fit), gated again. Returns (preset, estimate, None) or, when no variant
+    fits, (preset, None, the refusal message)."""
+    from tiersep.memory import DoesNotFit, gate
+
+    if not refused.fitted:
+        return preset, None, f"{refused}; on_oversize is adapt, but no variant fits"
+    fitted = copy.deepcopy(refused.fitted)
+    fitted["name"] = preset["name"]  # the tier keeps its name; run.json records what changed
+    try:
+        estimate = gate(fitted, device.type, budget, cfg["estimate"]["safety_margin"])
+    except DoesNotFit as err:
+        return preset, None, f"{refused}; on_oversize is adapt, but the variant still does not fit: {err}"
+    fitted["_adapted"] = {"reason": str(refused), "changes": list(refused.suggestion)}
+    print(f"tiersep train: adapted {preset['name']} to the budget: {'; '.join(refused.suggestion)}",
+          file=sys.stderr)
+    return fitted, estimate, None
+
+
 def preset_differences(a: dict, b: dict, prefix: tuple = ()) -> list[str]:
     """Dotted names of fields that differ between two presets, ignoring RESUMABLE_DIFFERENCES."""
     out = []
@@ -274,17 +313,7 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
 
     failure_path = out_dir / "failure.json"
     previous_failure = read_json(failure_path) if failure_path.is_file() else None
-    last = ckpt.last_path(out_dir)
-    state = None
-    if resume and last.is_file():
-        state = ckpt.load_checkpoint(last)
-        differ = preset_differences(state["preset"], preset)
-        if differ:
-            print(f"tiersep train: {last} was written for a different {name} preset (differs in "
-                  f"{', '.join(differ)}); starting from scratch", file=sys.stderr)
-            state = None
-    elif resume:
-        print(f"tiersep train: no checkpoint at {last}; starting from scratch", file=sys.stderr)
+    state = resume_state(out_dir, preset, resume)
 
     # Micro-batch plan (downshift after an OOM on a Snakemake retry).
     batch, accum, downshifted_from = plan_micro_batch(
@@ -312,6 +341,11 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
             estimate = run_gate(cfg, preset, device, budget, estimate_path)
         except DoesNotFit as err:
             refusal, estimate = str(err), getattr(err, "estimate", None)
+            if cfg["on_oversize"] == "adapt" and budget is not None:
+                preset, adapted_estimate, refusal = adapt_to_budget(cfg, preset, device, budget, err)
+                if refusal is None:
+                    estimate = adapted_estimate
+                    state = state or resume_state(out_dir, preset, resume, quiet=True)
     if refusal is not None:
         _write_failure(out_dir, "refused", refusal, preset=name, device=device.type, attempt=attempt,
                        attempted_allocation_bytes=None,
@@ -570,6 +604,7 @@ class _Run:
                                                    "device", "budget_bytes", "fits", "uncertainty",
                                                    "attention_backend")} if est else None),
             "gate_budget_bytes": self.budget,
+            "adapted": self.preset.get("_adapted"),
         }
         write_json(self.out_dir / "run.json", record)
         sps = record["steps_per_s"]
