@@ -14,7 +14,7 @@ run: setup
 	$(BIN)/snakemake $(SNAKEMAKE_ARGS)
 
 report: setup
-	$(BIN)/snakemake $(SNAKEMAKE_ARGS) report
+	$(BIN)/snakemake report $(SNAKEMAKE_ARGS)
 
 test: setup-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

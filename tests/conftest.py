@@ -1,6 +1,7 @@
 """Shared fixtures: a throw-away copy of the workflow to run the real `snakemake` in."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -39,3 +40,23 @@ def run_snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | N
 @pytest.fixture
 def workflow_copy(tmp_path: Path) -> Path:
     return copy_workflow(tmp_path / "wf")
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one intra-op thread: on a shared 2-core machine a 2-thread OpenMP pool spin-waits on
+    busy cores (about 10x slower for these tiny tensors)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def single_thread():
+    with one_torch_thread():
+        yield

@@ -81,12 +81,8 @@ def make_preset(sources=SOURCES, channels=1):
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The test machine is shared: a 2-thread OpenMP pool on busy cores spin-waits (10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here on one torch thread (see conftest.one_torch_thread)."""
 
 
 @pytest.fixture

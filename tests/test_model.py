@@ -21,12 +21,8 @@ from tiersep.model.tflocoformer import RMSGroupNorm, RotaryEmbedding, attend
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP spinning makes 2 threads ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here on one torch thread (see conftest.one_torch_thread)."""
 
 
 def tiny_preset(**model) -> dict:

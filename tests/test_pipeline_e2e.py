@@ -70,7 +70,7 @@ def test_second_run_does_nothing(finished):
 
 def test_report_target_rebuilds_only_the_report(finished):
     shutil.rmtree(finished / "results" / "report")
-    out = run_snakemake(finished, *RUN, "report").stdout
+    out = run_snakemake(finished, "report", *RUN).stdout  # target first: --configfile takes several values
     assert (finished / "results" / "report" / "index.html").is_file()
     jobs = [line.split()[0] for line in out.split("Job stats:")[1].splitlines()[3:] if line.strip()]
     assert jobs[:2] == ["report", "total"], out

@@ -3,7 +3,6 @@ tiersep.data pipeline, a tiny real preset, and runners for `tiersep train` in-pr
 separate process (needed to SIGKILL / SIGTERM it)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -28,17 +27,7 @@ TINY_PRESET = {
 }
 
 
-@contextlib.contextmanager
-def one_thread():
-    """torch on one thread for tiny tensors (a second one only adds synchronisation)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from conftest import one_torch_thread as one_thread  # noqa: E402  (re-exported for the train tests)
 
 
 def tiny_preset(**sets) -> dict:

@@ -10,7 +10,9 @@ from tiersep import config as tiersep_config
 
 def _load_effective_config():
     """Validate (one-line error naming file and key) and write the merged config jobs will use."""
-    files = ["config/config.yaml", *map(str, workflow.overwrite_configfiles or [])]
+    given = [os.path.relpath(f) if os.path.abspath(f).startswith(os.getcwd()) else str(f)
+             for f in workflow.overwrite_configfiles or []]  # name files as the user sees them
+    files = ["config/config.yaml", *given]
     try:
         cfg = tiersep_config.validate_config(config, files)
     except tiersep_config.ConfigError as err:

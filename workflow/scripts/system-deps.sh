@@ -21,7 +21,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
     # shellcheck disable=SC2086
-    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+    apt-get install -y -qq $missing >/dev/null
 else
     echo "tiersep needs these system packages:$missing" >&2
     echo "  Debian/Ubuntu: sudo apt-get install$missing" >&2
