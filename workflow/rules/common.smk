@@ -25,6 +25,10 @@ def _load_effective_config():
     return cfg, str(path)
 
 
+# Jobs call the `tiersep` of the environment snakemake runs in, even when it is not activated
+# (e.g. `.venv/bin/snakemake`); inside a container the image's own tiersep is found instead.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+
 CFG, CONFIG_FILE = _load_effective_config()
 RESULTS = CFG["results_dir"]
 CONTAINER = CFG["container"]
