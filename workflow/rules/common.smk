@@ -27,7 +27,7 @@ def _load_effective_config():
 
 # Jobs call the `tiersep` of the environment snakemake runs in, even when it is not activated
 # (e.g. `.venv/bin/snakemake`); inside a container the image's own tiersep is found instead.
-os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+shell.prefix(f'export PATH="{os.path.dirname(sys.executable)}:$PATH"; ')
 
 CFG, CONFIG_FILE = _load_effective_config()
 RESULTS = CFG["results_dir"]
