@@ -205,23 +205,20 @@ def stop_on_signals(flag: StopFlag):
 # ---------------------------------------------------------------------------------------------
 # Resume compatibility
 # ---------------------------------------------------------------------------------------------
-def resume_state(out_dir: Path, preset: dict, resume: bool, quiet: bool = False) -> dict | None:
-    """The checkpoint to continue from, when --resume and it was written for this same preset."""
+def resume_state(out_dir: Path, preset: dict, resume: bool) -> tuple[dict | None, str | None]:
+    """(the checkpoint to continue from, None), or (None, why not) when --resume finds no
+    checkpoint written for this same preset. The caller says why once the preset is final."""
     last = ckpt.last_path(out_dir)
     if not resume:
-        return None
+        return None, None
     if not last.is_file():
-        if not quiet:
-            print(f"tiersep train: no checkpoint at {last}; starting from scratch", file=sys.stderr)
-        return None
+        return None, f"no checkpoint at {last}"
     state = ckpt.load_checkpoint(last)
     differ = preset_differences(state["preset"], preset)
     if differ:
-        if not quiet:
-            print(f"tiersep train: {last} was written for a different {preset['name']} preset (differs "
-                  f"in {', '.join(differ)}); starting from scratch", file=sys.stderr)
-        return None
-    return state
+        return None, (f"{last} was written for a different {preset['name']} preset (differs in "
+                      f"{', '.join(differ)})")
+    return state, None
 
 
 def adapt_to_budget(cfg: dict, preset: dict, device: torch.device, budget: int, refused) -> tuple:
@@ -313,7 +310,7 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
 
     failure_path = out_dir / "failure.json"
     previous_failure = read_json(failure_path) if failure_path.is_file() else None
-    state = resume_state(out_dir, preset, resume)
+    state, not_resumed = resume_state(out_dir, preset, resume)
 
     # Micro-batch plan (downshift after an OOM on a Snakemake retry).
     batch, accum, downshifted_from = plan_micro_batch(
@@ -343,9 +340,9 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
             refusal, estimate = str(err), getattr(err, "estimate", None)
             if cfg["on_oversize"] == "adapt" and budget is not None:
                 preset, adapted_estimate, refusal = adapt_to_budget(cfg, preset, device, budget, err)
-                if refusal is None:
+                if refusal is None:  # an earlier run of this adapted variant may have left a checkpoint
                     estimate = adapted_estimate
-                    state = state or resume_state(out_dir, preset, resume, quiet=True)
+                    state, not_resumed = resume_state(out_dir, preset, resume)
     if refusal is not None:
         _write_failure(out_dir, "refused", refusal, preset=name, device=device.type, attempt=attempt,
                        attempted_allocation_bytes=None,
@@ -355,6 +352,8 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
     if previous_failure and previous_failure.get("kind") != "oom":
         previous_failure = None  # only an OOM is "recovered from" by this run
     failure_path.unlink(missing_ok=True)
+    if not_resumed:
+        print(f"tiersep train: {not_resumed}; starting from scratch", file=sys.stderr)
     if state is None:
         _clear_finished_outputs(out_dir)
 
