@@ -119,21 +119,22 @@ class Tier:
         return (self.estimate_device_type is not None
                 and self.estimate_device_type == self.measured_device_type)
 
-    @property
-    def peak_allocated(self) -> float | None:
-        """Measured peak (CUDA: max_memory_allocated; CPU: peak RSS), from run.json or memory.csv."""
-        if self.run and self.run.get("peak_allocated_bytes") is not None:
-            return float(self.run["peak_allocated_bytes"])
-        values = [row.get("peak") or row.get("allocated") for row in self.memory]
-        values = [v for v in values if v is not None]
+    def _run_or_max(self, key: str, rows: list[dict], pick) -> float | None:
+        """run.json's `key` when the run finished; else the largest `pick(row)` logged so far."""
+        if self.run and self.run.get(key) is not None:
+            return float(self.run[key])
+        values = [v for v in map(pick, rows) if v is not None]
         return max(values) if values else None
 
     @property
+    def peak_allocated(self) -> float | None:
+        """Measured peak (CUDA: max_memory_allocated; CPU: peak RSS), from run.json or memory.csv."""
+        return self._run_or_max("peak_allocated_bytes", self.memory,
+                                lambda row: row.get("peak") or row.get("allocated"))
+
+    @property
     def peak_reserved(self) -> float | None:
-        if self.run and self.run.get("peak_reserved_bytes") is not None:
-            return float(self.run["peak_reserved_bytes"])
-        values = [row["reserved"] for row in self.memory if row.get("reserved") is not None]
-        return max(values) if values else None
+        return self._run_or_max("peak_reserved_bytes", self.memory, lambda row: row.get("reserved"))
 
     @property
     def estimated_peak(self) -> float | None:
@@ -161,10 +162,7 @@ class Tier:
 
     @property
     def wall_seconds(self) -> float | None:
-        if self.run and self.run.get("wall_seconds") is not None:
-            return float(self.run["wall_seconds"])
-        times = [row["time_s"] for row in self.metrics if row.get("time_s") is not None]
-        return max(times) if times else None
+        return self._run_or_max("wall_seconds", self.metrics, lambda row: row.get("time_s"))
 
     @property
     def steps_per_s(self) -> float | None:
