@@ -6,7 +6,7 @@ scoring tracks serially vs in parallel processes.
 
 (1) Each duration runs in its own subprocess: a randomly initialised model of --preset separates
 random noise of that length with the config's evaluate.chunk_seconds/overlap. Reported per run:
-- peak live tensor bytes of the separation, counted by a TorchDispatchMode (each new storage adds
+- peak live tensor bytes of the separation, counted by tiersep.memory.tracker.StorageTracker (a TorchDispatchMode: each new storage adds
   its bytes, a finalizer subtracts them when freed), split into the buffers whose last axis is the
   track (output accumulator and summed window: they ARE the result, O(length) by nature) and the
   working memory (chunk input, model activations, chunk output: must not depend on the length);
@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,12 +39,10 @@ def child_separate(args) -> None:
     import numpy as np
     import psutil
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-    from torch.utils.weak import WeakIdKeyDictionary
 
     from tiersep.config import load_config, load_preset
     from tiersep.evaluate.separate import separate
+    from tiersep.memory.tracker import StorageTracker
     from tiersep.model import build_model
 
     torch.set_num_threads(args.threads)
@@ -57,35 +54,6 @@ def child_separate(args) -> None:
     torch.manual_seed(0)
     model = build_model(preset).eval()
     mixture = torch.from_numpy(np.random.default_rng(0).standard_normal((channels, length), dtype=np.float32) * 0.1)
-
-    class PeakLiveBytes(TorchDispatchMode):
-        """Live bytes of storages created under it; those whose last axis is the track apart."""
-
-        def __init__(self, existing):
-            super().__init__()
-            self.live = {"work": 0, "track": 0}
-            self.peak_work = self.peak_total = 0
-            self.seen = WeakIdKeyDictionary()
-            for t in existing:  # inputs and weights made before: seen through views, not new
-                self.seen[t.untyped_storage()] = True
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    storage = t.untyped_storage()
-                    if storage in self.seen or storage.nbytes() == 0:
-                        continue
-                    self.seen[storage] = True
-                    kind = "track" if t.ndim and t.shape[-1] == length else "work"
-                    self.live[kind] += storage.nbytes()
-                    weakref.finalize(storage, self._free, kind, storage.nbytes())
-                    self.peak_work = max(self.peak_work, self.live["work"])
-                    self.peak_total = max(self.peak_total, self.live["work"] + self.live["track"])
-            return out
-
-        def _free(self, kind, nbytes):
-            self.live[kind] -= nbytes
 
     process = psutil.Process()
     rss_before = process.memory_info().rss
@@ -99,18 +67,24 @@ def child_separate(args) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    tracker = PeakLiveBytes([mixture, *model.parameters(), *model.buffers()])
+    tracker = StorageTracker(block_bytes=lambda nbytes: nbytes)  # exact sizes, no allocator rounding
+    made_before = set(tracker.register([mixture, *model.parameters(), *model.buffers()]))
     began = time.perf_counter()
     with tracker:
         out = separate(model, mixture, chunk, cfg["evaluate"]["overlap"], preset["train"]["precision"], "cpu")
     seconds = time.perf_counter() - began
+    tracker.stop()
+    # Storages whose last axis is the whole track (the output accumulator) apart from the working set.
+    whole_track = {key for key, a in tracker.timeline.allocations.items() if a.shape and a.shape[-1] == length}
+    peak_total, _ = tracker.timeline.replay(exclude=made_before)
+    peak_work, _ = tracker.timeline.replay(exclude=made_before | whole_track)
     sampled["running"] = False
     sampler.join()
     maxrss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak_rss = max(sampled["peak"], maxrss_after if maxrss_after > maxrss_before else 0)
     print(json.dumps({
         "seconds_audio": args.child_seconds, "samples": length, "chunk_samples": chunk,
-        "peak_working_bytes": tracker.peak_work, "peak_live_bytes": tracker.peak_total,
+        "peak_working_bytes": peak_work, "peak_live_bytes": peak_total,
         "output_bytes": out.numel() * out.element_size(),
         "peak_rss_increase_bytes": peak_rss - rss_before, "wall_seconds": seconds,
     }))

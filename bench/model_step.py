@@ -27,18 +27,16 @@ import subprocess
 import sys
 import time
 import types
-import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tiersep.config import load_preset, validate  # noqa: E402
+from tiersep.memory.tracker import StorageTracker  # noqa: E402
 from tiersep.model import build_loss, build_model, count_parameters  # noqa: E402
 from tiersep.model.tflocoformer import RotaryEmbedding  # noqa: E402
 from tiersep.train.step import make_optimizer, train_step  # noqa: E402
@@ -51,33 +49,9 @@ MiB = 2 ** 20
 # peak live tensor bytes
 
 
-class PeakLiveBytes(TorchDispatchMode):
-    """Adds each new storage an op returns, subtracts it when the storage is freed; keeps the peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key in self.seen:
-                continue
-            self.seen.add(key)
-            nbytes = storage.nbytes()
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, nbytes)
-        return out
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self.seen.discard(key)
+def exact_bytes(nbytes: int) -> int:
+    """Count storages at their exact size (no allocator rounding) for a like-for-like comparison."""
+    return nbytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,9 +228,9 @@ class StepRunner:
         return time.perf_counter() - start
 
     def peak_bytes(self) -> int:
-        with PeakLiveBytes() as tracker:
+        with StorageTracker(block_bytes=exact_bytes) as tracker:
             self.step()
-        return tracker.peak
+        return tracker.peak_bytes
 
 
 def measure(runners: dict[str, StepRunner], steps: int) -> dict[str, dict]:
