@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from test_train_support import make_workspace, one_thread, tiny_preset
+from conftest import one_torch_thread
+from test_train_support import make_workspace, tiny_preset
 from tiersep import config as C
 from tiersep.train import sweep, trainer
 from tiersep.train.schedule import Schedule
@@ -21,7 +22,7 @@ from tiersep.train.telemetry import METRICS_FIELDS, CsvLog
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
-    with one_thread():
+    with one_torch_thread():
         yield make_workspace(tmp_path_factory.mktemp("train_ws"))
 
 

@@ -27,9 +27,6 @@ TINY_PRESET = {
 }
 
 
-from conftest import one_torch_thread as one_thread  # noqa: E402  (re-exported for the train tests)
-
-
 def tiny_preset(**sets) -> dict:
     """TINY_PRESET validated with defaults, with dotted overrides: tiny_preset(**{"train.steps": 3})."""
     preset = C.validate(yaml.safe_load(yaml.safe_dump(TINY_PRESET)), "preset.schema.yaml", "tiny")
