@@ -35,7 +35,7 @@ def test_gate_uses_a_given_estimate_against_the_current_budget():
     assert record["fits"] is True
     # the same record against a budget too small even for the CPU process allowance: refused,
     # without a search that could help (nothing fits)
-    with pytest.raises(DoesNotFit, match=r"live tensors x 1.35 .* budget of 0.20 GiB; no variant fits"):
+    with pytest.raises(DoesNotFit, match=r"live tensors booked as .* budget of 0.20 GiB; no variant fits"):
         gate(preset, "cpu", int(0.2 * GIB), 0.08, estimate=record)
 
 

@@ -501,3 +501,58 @@ def replay_events(log: EventLog, expandable_segments: bool = False,
             model.free(addr)
     return LogReplay(model.stats.peak_reserved, model.stats.peak_allocated,
                      [n for _, n in model.device_allocs[skip:]], mismatches, prelog)
+
+
+def load_expandable_reference(path, name: str) -> dict:
+    """The entry `name` of an expandable_segments.jsonl (max_memory_reserved/allocated measured with
+    expandable_segments:True)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise EventLogError(f"{path}: cannot read: {exc.strerror}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            _fail(path, f"line {i}", "not JSON")
+        if isinstance(entry, dict) and entry.get("name") == name:
+            for key in ("max_memory_reserved", "max_memory_allocated"):
+                if not isinstance(entry.get(key), int):
+                    _fail(path, f"line {i}: {key}", "missing or not an integer")
+            return entry
+    _fail(path, "name", f"no entry named {name!r}")
+
+
+def _rel(model: int, recorded: int | None):
+    return None if not recorded else model / recorded - 1
+
+
+def replay_report(log: EventLog, expandable_segments: bool = False, reference: dict | None = None,
+                  recorded_addresses: bool = True) -> dict:
+    """Replay `log` and compare with what was recorded: the log's own segments and counters in
+    native mode, the `reference` entry (load_expandable_reference) in expandable mode."""
+    r = replay_events(log, expandable_segments, recorded_addresses)
+    out = {"log": log.path, "name": log.name, "mode": "expandable" if expandable_segments else "native",
+           "reserved_peak_bytes": r.reserved_peak, "allocated_peak_bytes": r.allocated_peak,
+           "segments": r.segments, "prelog_blocks": [[a, t, u, "small" if s else "large"]
+                                                     for a, t, u, s in r.prelog]}
+    if expandable_segments:
+        rec_reserved = reference["max_memory_reserved"] if reference else None
+        rec_allocated = reference["max_memory_allocated"] if reference else None
+        out["recorded"] = {"source": "expandable_segments reference" if reference else None,
+                           "reserved_peak_bytes": rec_reserved, "allocated_peak_bytes": rec_allocated}
+    else:
+        recorded = [s for _, s in log.recorded_segments]
+        rec_reserved, rec_allocated = log.result.get("reserved"), log.result.get("alloc")
+        out["recorded"] = {"source": "event log", "reserved_peak_bytes": rec_reserved,
+                           "allocated_peak_bytes": rec_allocated, "segments": recorded}
+        out["segments_match"] = r.segments == recorded
+        out["segment_count_error"] = len(r.segments) - len(recorded)
+        out["segment_bytes_error"] = _rel(sum(r.segments), sum(recorded))
+        out["address_mismatches"] = r.address_mismatches if recorded_addresses else None
+    out["reserved_peak_error"] = _rel(r.reserved_peak, rec_reserved)
+    out["allocated_peak_error"] = _rel(r.allocated_peak, rec_allocated)
+    return out

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .trace import CUDA_CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES
+from .calibration import resolve as resolve_device_calibration
+from .constants import BREAKDOWN_KEYS
+from .cuda_model import modelled_backend
 from .tracker import cpu_block_bytes, cuda_block_bytes
 
 CALIBRATION_FILE = Path(__file__).with_name("analytic_calibration.json")
@@ -46,8 +48,6 @@ def frames_and_bins(preset: dict) -> tuple[int, int]:
 
 def kernel_class(preset: dict, device: str) -> str:
     """Attention kernel family of the mode: 'math' (O(L^2) scores) or 'fused' (O(L) state)."""
-    from .estimate import modelled_backend
-
     return "math" if modelled_backend(preset, device) == "math" else "fused"
 
 
@@ -60,8 +60,6 @@ def mode_of(preset: dict, device: str) -> str:
 def padded_attention_dim(preset: dict, device: str) -> int:
     """attention_dim as the flash kernel sees it: CUDA pads the head dim to a multiple of 8."""
     m = preset["model"]
-    from .estimate import modelled_backend
-
     if device == "cuda" and modelled_backend(preset, device) == "flash":
         return m["n_heads"] * -(-(m["attention_dim"] // m["n_heads"]) // 8) * 8
     return m["attention_dim"]
@@ -90,7 +88,7 @@ def features(preset: dict, device: str) -> dict[str, float]:
     return {k: float(v) for k, v in f.items()}
 
 
-def _meta_parameters(preset: dict) -> list[int]:
+def parameter_numels(preset: dict) -> list[int]:
     """Element counts of the model's parameter tensors (built on the meta device: no memory)."""
     from tiersep.model import build_model
 
@@ -102,7 +100,7 @@ def _meta_parameters(preset: dict) -> list[int]:
 def static_bytes(preset: dict, device: str, numels: list[int] | None = None) -> dict[str, int]:
     """Weights, gradients and AdamW state (exp_avg, exp_avg_sq), per tensor as the allocator books them."""
     block = cuda_block_bytes if device == "cuda" else cpu_block_bytes
-    numels = numels if numels is not None else _meta_parameters(preset)
+    numels = numels if numels is not None else parameter_numels(preset)
     weights = sum(block(4 * n) for n in numels)
     return {"weights": weights, "gradients": weights, "optimizer": 2 * weights}
 
@@ -147,8 +145,10 @@ def activation_bytes(preset: dict, device: str, calibration: dict | None = None)
     return int(sum(coef["coef"].get(k, 0.0) * v for k, v in features(preset, device).items()))
 
 
-def predict(preset: dict, device: str, calibration: dict | None = None, numels: list[int] | None = None) -> dict:
-    """Allocated/reserved/peak bytes and the breakdown, in closed form."""
+def predict(preset: dict, device: str, calibration: dict | None = None, numels: list[int] | None = None,
+            device_cal: dict | None = None) -> dict:
+    """Allocated/reserved/peak bytes and the breakdown, in closed form. `calibration`: this module's
+    fitted coefficients; `device_cal`: the GPU's context and workspace (memory.calibration)."""
     static = static_bytes(preset, device, numels)
     if preset["train"]["grad_accum"] == 1:
         static["gradients"] = 0   # the peak comes before most gradients exist
@@ -156,21 +156,20 @@ def predict(preset: dict, device: str, calibration: dict | None = None, numels: 
     act = max(activation_bytes(preset, device, calibration), 0)
     live = sum(static.values()) + inputs + act
     if device == "cuda":
-        allocated = live + CUBLAS_WORKSPACE_BYTES
+        cal = device_cal or resolve_device_calibration("auto")
+        allocated = live + cal["cublas_workspace_bytes"]
         reserved = int(allocated * RESERVED_FACTOR + min(RESERVED_SMALL * allocated, RESERVED_EXTRA))
-        peak = reserved + CUDA_CONTEXT_BYTES
+        peak = reserved + cal["context_bytes"]
     else:
         allocated, reserved, peak = live, None, live
     breakdown = {**static, "activations": inputs + act, "transient": 0, "overhead": peak - live}
     return {"allocated": allocated, "reserved": reserved, "peak": peak, "breakdown": breakdown}
 
 
-def estimate_analytic(preset: dict, device: str) -> dict:
+def estimate_analytic(preset: dict, device: str, device_cal: dict | None = None) -> dict:
     """The estimate record fields for method analytic (see estimate.estimate)."""
-    from .estimate import BREAKDOWN_KEYS, modelled_backend
-
-    numels = _meta_parameters(preset)
-    p = predict(preset, device, numels=numels)
+    numels = parameter_numels(preset)
+    p = predict(preset, device, numels=numels, device_cal=device_cal)
     return {
         "parameters": sum(numels),
         "peak_bytes": int(p["peak"]),

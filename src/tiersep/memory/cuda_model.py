@@ -102,6 +102,18 @@ def choose_cuda_backend(requested: str, dtype: torch.dtype, head_dim: int, has_m
     return requested
 
 
+def modelled_backend(preset: dict, device: str) -> str:
+    """The SDPA kernel the estimate assumes (what torch picks on that device for this preset)."""
+    m, t = preset["model"], preset["train"]
+    if device == "cuda":
+        dtype = torch.bfloat16 if t["precision"] == "bf16" else torch.float32
+        return choose_cuda_backend(m["attention_backend"], dtype, m["attention_dim"] // m["n_heads"], False)
+    # CPU: the flash kernel for CPU takes no dropout; otherwise the math path
+    if m["attention_backend"] in ("auto", "flash"):
+        return "flash" if m["dropout"] == 0 else "math"
+    return m["attention_backend"]
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 

@@ -18,41 +18,30 @@ import time
 
 import torch
 
-from . import analytic
-from .trace import CPU_UNCERTAINTY, CUDA_CONTEXT_BYTES, CUDA_UNCERTAINTY, CUBLAS_WORKSPACE_BYTES, trace_step
+from . import analytic, calibration, cpu_process
+from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY, CUDA_UNCERTAINTY
+from .cuda_model import modelled_backend
+from .trace import trace_step
 
 METHODS = ("trace", "analytic", "measure")
-BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
-
-
-def modelled_backend(preset: dict, device: str) -> str:
-    """The SDPA kernel the estimate assumes (what torch picks on that device for this preset)."""
-    from .cuda_model import choose_cuda_backend
-
-    m, t = preset["model"], preset["train"]
-    if device == "cuda":
-        dtype = torch.bfloat16 if t["precision"] == "bf16" else torch.float32
-        return choose_cuda_backend(m["attention_backend"], dtype, m["attention_dim"] // m["n_heads"], False)
-    # CPU: the flash kernel for CPU takes no dropout; otherwise the math path
-    if m["attention_backend"] in ("auto", "flash"):
-        return "flash" if m["dropout"] == 0 else "math"
-    return m["attention_backend"]
 
 
 def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_bytes: int | None = None,
-             safety_margin: float = 0.08) -> dict:
-    """Predict the peak memory of one training step of `preset` on `device` (see module docstring)."""
+             safety_margin: float = 0.08, calibration_spec: str = "auto") -> dict:
+    """Predict the peak memory of one training step of `preset` on `device` (see module docstring).
+    `calibration_spec` (cuda): auto, a built-in GPU name or a calibration file (memory.calibration)."""
     if method not in METHODS:
         raise ValueError(f"estimate.method: {method!r} (allowed: {', '.join(METHODS)})")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"estimate.device: {device!r} (allowed: cuda, cpu)")
     start = time.time()
+    cal = calibration.resolve(calibration_spec) if device == "cuda" else None
     if method == "trace":
-        record = _from_trace(preset, device)
+        record = _from_trace(preset, device, cal)
     elif method == "analytic":
-        record = analytic.estimate_analytic(preset, device)
+        record = analytic.estimate_analytic(preset, device, cal)
     else:
-        record = _from_measure(preset, device)
+        record = _from_measure(preset, device, cal)
     t = preset["train"]
     record = {
         "preset": preset["name"],
@@ -64,29 +53,50 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "grad_accum": t["grad_accum"],
         "segment_samples": preset["audio"]["segment_samples"],
         "checkpointing": preset["model"]["checkpointing"],
+        "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
     }
+    if device == "cpu":
+        record["cpu_process"] = cpu_process.booking(record, preset)
     return finish(record, budget_bytes, safety_margin, time.time() - start)
 
 
+def required_bytes(record: dict) -> int:
+    """What the fit gate books for an estimate: on CUDA the predicted device use (peak_bytes); on
+    CPU the predicted peak RSS of the whole train process (memory.cpu_process)."""
+    if record["device"] == "cpu" and record.get("cpu_process"):
+        return int(record["cpu_process"]["rss_bytes"])
+    return int(record["peak_bytes"])
+
+
 def finish(record: dict, budget_bytes: int | None, safety_margin: float, seconds: float) -> dict:
-    """Add the budget verdict and the time taken to an estimate record."""
+    """Add the budget verdict and the time taken to an estimate record (the one place `fits` is set)."""
     margin = int(safety_margin * budget_bytes) if budget_bytes is not None else None
+    record["gate_required_bytes"] = required_bytes(record)
     record["budget_bytes"] = int(budget_bytes) if budget_bytes is not None else None
     record["safety_margin"] = safety_margin
     record["margin_bytes"] = margin
-    record["fits"] = None if budget_bytes is None else bool(record["peak_bytes"] + margin <= budget_bytes)
+    record["fits"] = None if budget_bytes is None else bool(record["gate_required_bytes"] + margin <= budget_bytes)
     record["seconds"] = round(seconds, 3)
     return record
 
 
-def _from_trace(preset: dict, device: str) -> dict:
-    r = trace_step(preset, device)
+def _device_peak(reserved_peak: int, live: int, cal: dict) -> tuple[int, dict]:
+    """Predicted device use (nvidia-smi's figure): the allocator's reserved peak + the CUDA context."""
+    workspace = cal["cublas_workspace_bytes"]
+    return reserved_peak + cal["context_bytes"], {
+        "cuda_context": cal["context_bytes"], "cublas_workspace": workspace,
+        "allocator_cache": reserved_peak - live - workspace}
+
+
+def _from_trace(preset: dict, device: str, cal: dict | None) -> dict:
+    if device == "cuda":
+        r = trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"])
+    else:
+        r = trace_step(preset, device)
     breakdown = dict(r.breakdown)
     live = sum(breakdown.values())
     if device == "cuda":
-        peak = r.reserved_peak + CUDA_CONTEXT_BYTES
-        overhead_detail = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
-                           "allocator_cache": r.reserved_peak - live - CUBLAS_WORKSPACE_BYTES}
+        peak, overhead_detail = _device_peak(r.reserved_peak, live, cal)
         uncertainty = CUDA_UNCERTAINTY
     else:
         peak = r.allocated_peak
@@ -117,13 +127,13 @@ def _from_trace(preset: dict, device: str) -> dict:
     }
 
 
-def _from_measure(preset: dict, device: str) -> dict:
+def _from_measure(preset: dict, device: str, cal: dict | None) -> dict:
     from .measure import measure_step
 
     r = measure_step(preset, device, steps=2 if device == "cuda" else 1)
     weights = analytic.static_bytes(preset, device)
     if device == "cuda":
-        peak = r.reserved_peak + CUDA_CONTEXT_BYTES
+        peak = r.reserved_peak + cal["context_bytes"]
         overhead = peak - r.allocated_peak
     else:
         peak, overhead = r.allocated_peak, 0

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import copy
 
-from . import analytic
-from .estimate import estimate, modelled_backend
-
-GIB = 2**30
+from . import analytic, calibration
+from .constants import GIB
+from .cuda_model import modelled_backend
+from .estimate import estimate
 
 
 class NothingFits(ValueError):
@@ -61,18 +61,20 @@ def describe_changes(old: dict, new: dict) -> list[str]:
     return changes
 
 
-def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: float = 0.08) -> tuple[dict, list[str]]:
+def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: float = 0.08,
+        calibration_spec: str = "auto") -> tuple[dict, list[str]]:
     """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`."""
     if budget_bytes is None or budget_bytes <= 0:
         raise ValueError("fit: a positive budget in bytes is needed")
     limit = budget_bytes * (1.0 - safety_margin)
-    original = estimate(preset, "trace", device, budget_bytes, safety_margin)
+    cal = calibration.resolve(calibration_spec) if device == "cuda" else None
+    original = estimate(preset, "trace", device, budget_bytes, safety_margin, calibration_spec)
     if original["fits"]:
         return copy.deepcopy(preset), []
 
-    numels = analytic._meta_parameters(preset)
+    numels = analytic.parameter_numels(preset)
     # Scale the closed form to this preset's trace so the search is centred on the trace.
-    ratio = original["peak_bytes"] / analytic.predict(preset, device, numels=numels)["peak"]
+    ratio = original["peak_bytes"] / analytic.predict(preset, device, numels=numels, device_cal=cal)["peak"]
     a, t, m = preset["audio"], preset["train"], preset["model"]
     effective = t["batch_size"] * t["grad_accum"]
     backend = m["attention_backend"]
@@ -82,7 +84,7 @@ def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: fl
     ckpt_options = [True] if m["checkpointing"] else [False, True]
 
     def analytic_peak(v: dict) -> float:
-        return ratio * analytic.predict(v, device, numels=numels)["peak"]
+        return ratio * analytic.predict(v, device, numels=numels, device_cal=cal)["peak"]
 
     def best_at(segment: int, limit_now: float) -> dict | None:
         """Fewest levers, then the largest micro-batch, that fit at this segment length."""
@@ -114,7 +116,7 @@ def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: fl
             choice = best_at(segment, limit_now) if segment is not None else None
         if choice is None:
             break
-        checked = estimate(choice, "trace", device, budget_bytes, safety_margin)
+        checked = estimate(choice, "trace", device, budget_bytes, safety_margin, calibration_spec)
         if checked["fits"]:
             fitted = copy.deepcopy(choice)
             gib = budget_bytes / GIB

@@ -2,19 +2,16 @@
 
 The trainer calls `gate()` before it allocates anything on the device. The budget is what the
 trainer hands in: on CUDA the configured budget_gib capped by the GPU's free memory; on CPU the
-machine's available RAM (psutil). On CPU the estimate is the peak of live tensor bytes, and the
-process needs more than that (malloc keeps freed blocks, autograd and thread pools have their own
-state): measured RSS growth was 1.06-1.17x the live bytes plus up to ~400 MiB
-(bench/results/estimator_accuracy_cpu.md), so the CPU gate books CPU_RSS_FACTOR x peak + CPU_BASE_BYTES.
+machine's available RAM (psutil). What it books is the estimate's `gate_required_bytes`
+(estimate.required_bytes): the predicted device use on CUDA, the predicted RSS of the whole
+train process on CPU (memory.cpu_process).
 """
 from __future__ import annotations
 
+from . import cpu_process
+from .constants import GIB
 from .estimate import estimate as make_estimate
 from .estimate import finish
-
-GIB = 2**30
-CPU_RSS_FACTOR = 1.35
-CPU_BASE_BYTES = 256 * 2**20
 
 
 class DoesNotFit(Exception):
@@ -27,41 +24,27 @@ class DoesNotFit(Exception):
         self.fitted = fitted  # the variant that fits (what on_oversize: adapt trains), if any
 
 
-def required_bytes(record: dict, device_type: str) -> int:
-    """What the gate books for an estimate on this device (see module docstring)."""
-    if device_type == "cpu":
-        return int(record["peak_bytes"] * CPU_RSS_FACTOR + CPU_BASE_BYTES)
-    return int(record["peak_bytes"])
-
-
 def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin: float,
-         estimate: dict | None = None) -> dict:
+         estimate: dict | None = None, calibration_spec: str = "auto") -> dict:
     """Return the estimate used; raise DoesNotFit when it does not fit the budget."""
     device_type = "cuda" if device_type == "cuda" else "cpu"
     if estimate is None:
-        estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin)
+        estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec)
     else:
         estimate = finish(dict(estimate), budget_bytes, safety_margin, estimate.get("seconds", 0.0))
-    if budget_bytes is None:
+    if budget_bytes is None or estimate["fits"]:
         return estimate
-    needed = required_bytes(estimate, device_type)
-    margin = int(safety_margin * budget_bytes)
-    estimate["gate_required_bytes"] = needed
-    estimate["fits"] = needed + margin <= budget_bytes
-    if estimate["fits"]:
-        return estimate
+    needed, margin = estimate["gate_required_bytes"], estimate["margin_bytes"]
+    cpu = estimate.get("cpu_process") if device_type == "cpu" else None
     what = (f"estimated peak {needed / GIB:.2f} GiB ({estimate['method']}, {device_type}"
-            + (f", {estimate['peak_bytes'] / GIB:.2f} GiB live tensors x {CPU_RSS_FACTOR} + "
-               f"{CPU_BASE_BYTES / GIB:.2f} GiB process" if device_type == "cpu" else "")
+            + (f", {estimate['peak_bytes'] / GIB:.2f} GiB live tensors booked as {cpu['model']}" if cpu else "")
             + f", {estimate.get('attention_backend')} attention) + {safety_margin:.0%} margin "
             f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
     suggestion = fitted = None
-    # fit works in estimate units: on CPU, take off what the gate adds for the process
-    fit_budget = budget_bytes if device_type == "cuda" else int(
-        (budget_bytes * (1 - safety_margin) - CPU_BASE_BYTES) / CPU_RSS_FACTOR / (1 - safety_margin))
+    # fit works in estimate units: on CPU, take off what the booking adds for the process
+    fit_budget = budget_bytes if device_type == "cuda" else cpu_process.live_budget(budget_bytes, safety_margin)
     if fit_budget <= 0:
-        hint = (f"no variant fits (the {CPU_BASE_BYTES / GIB:.2f} GiB process allowance alone is over "
-                "the budget)")
+        hint = "no variant fits (the process allowance alone is over the budget)"
     else:
         try:
             from .fit import fit

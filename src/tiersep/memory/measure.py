@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .tracker import FORWARD, StorageTracker, cpu_block_bytes
+from .workload import build_workload
+from tiersep.train.step import train_step
 
 
 @dataclass
@@ -31,41 +33,20 @@ class MeasureResult:
     seconds_per_step: float
 
 
-def _model_and_loss(preset):
-    from tiersep.model import build_loss, build_model
-
-    return build_model(preset), build_loss(preset)
-
-
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
 def measure_step(preset: dict, device: str | None = None, steps: int = 1,
-                 model_and_loss=_model_and_loss) -> MeasureResult:
+                 model_and_loss=None) -> MeasureResult:
     """Run `steps` real training steps of `preset` and return the peak memory they reached."""
-    from tiersep.train.step import make_optimizer, train_step
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("measure: device cuda asked for, but no CUDA device is visible")
-    a, t = preset["audio"], preset["train"]
-    batch, accum = t["batch_size"], t["grad_accum"]
-    n_src = len(preset["model"]["sources"])
     dev = torch.device(device)
-    torch.manual_seed(t["seed"])
-    model, loss_fn = model_and_loss(preset)
-    model = model.to(dev).train()
-    loss_fn = loss_fn.to(dev) if isinstance(loss_fn, torch.nn.Module) else loss_fn
-    optimizer = make_optimizer(model, preset, device)
-    params = list(model.parameters())
-    for p in params:   # AdamW state as after the first step (as the trace does)
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    shape = (batch, a["channels"], a["segment_samples"])
-    inputs = [(0.1 * torch.randn(shape, device=dev), 0.1 * torch.randn(batch, n_src, *shape[1:], device=dev))
-              for _ in range(accum)]
+    torch.manual_seed(preset["train"]["seed"])
+    work = build_workload(preset, device, lambda *shape: 0.1 * torch.randn(shape, device=dev), model_and_loss)
+    model, loss_fn, optimizer, params, inputs = work.model, work.loss_fn, work.optimizer, work.params, work.inputs
     gc.collect()
 
     if device == "cuda":
@@ -81,7 +62,7 @@ def measure_step(preset: dict, device: str | None = None, steps: int = 1,
 
     tracker = StorageTracker(cpu_block_bytes)
     tracker.register(params + list(model.buffers()))
-    tracker.register([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+    tracker.register(work.optimizer_state())
     tracker.register([x for pair in inputs for x in pair])
     rss_before = _current_rss_bytes()
     peak_rss_before = _peak_rss_bytes()

@@ -23,19 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from . import allocator
 from .cuda_model import CudaEmulation
 from .tracker import FORWARD, SETUP, Allocation, StorageTracker, cpu_block_bytes, cuda_block_bytes
+from .workload import build_workload
+from tiersep.train.step import train_step
 
-MIB = 2**20
-# Not in torch's counters: the CUDA context (driver state, kernel images loaded lazily) of a process
-# that has run cuBLAS, cuDNN and cuFFT kernels. 300-600 MiB on recent drivers and GPUs; we book the
-# high end so the fit gate errs on the safe side.
-CUDA_CONTEXT_BYTES = 512 * MIB
 # In torch's counters: the cuBLAS workspace torch allocates through the caching allocator for its
-# handle on the first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB before).
-CUBLAS_WORKSPACE_BYTES = 32 * MIB
-# Kernel-internal scratch the trace cannot see (cuDNN convolution workspaces, cuFFT plan work areas)
-# is transient and usually small next to the activations; it is part of `uncertainty`.
-CUDA_UNCERTAINTY = 0.05
-CPU_UNCERTAINTY = 0.03
+# handle on the first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB before). A
+# device calibration that measured it replaces this default (trace_step's `workspace_bytes`).
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -54,14 +48,6 @@ class TraceResult:
     micro_batches_traced: int
     events: int
     notes: list = field(default_factory=list)
-    timeline: object = None         # the Timeline (for explaining a peak; not serialised)
-    live_at_peak: list = field(default_factory=list)   # keys live at the peak
-
-
-def _model_and_loss(preset):
-    from tiersep.model import build_loss, build_model
-
-    return build_model(preset), build_loss(preset)
 
 
 @contextlib.contextmanager
@@ -89,16 +75,14 @@ def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | No
             h.remove()
 
 
-def trace_step(preset: dict, device: str = "cuda", model_and_loss=_model_and_loss) -> TraceResult:
-    """Trace one steady-state training step of `preset` as it would run on `device` (cuda|cpu)."""
-    from tiersep.train.step import make_optimizer, train_step
-
+def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
+               workspace_bytes: int = CUBLAS_WORKSPACE_BYTES) -> TraceResult:
+    """Trace one steady-state training step of `preset` as it would run on `device` (cuda|cpu).
+    `workspace_bytes`: the cuBLAS workspace of the device calibration."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
-    a, t = preset["audio"], preset["train"]
-    batch, accum = t["batch_size"], t["grad_accum"]
-    n_src = len(preset["model"]["sources"])
-    traced = min(accum, 2)
+    t = preset["train"]
+    traced = min(t["grad_accum"], 2)
     bf16 = torch.bfloat16 if t["precision"] == "bf16" else None
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
     tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes)
@@ -107,19 +91,11 @@ def trace_step(preset: dict, device: str = "cuda", model_and_loss=_model_and_los
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*autocast.*")
         torch.manual_seed(0)
-        model, loss_fn = model_and_loss(preset)
-        model.train()
-        optimizer = make_optimizer(model, preset, device)
-        params = [p for p in model.parameters()]
-        for p in params:   # AdamW state as after the first step
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        shape = (batch, a["channels"], a["segment_samples"])
-        inputs = [(torch.empty(shape), torch.empty(batch, n_src, *shape[1:])) for _ in range(accum)]
+        work = build_workload(preset, device, torch.empty, model_and_loss, move=False)
+        model, loss_fn, optimizer, params, inputs = work.model, work.loss_fn, work.optimizer, work.params, work.inputs
 
         weight_keys = set(tracker.register(params + list(model.buffers())))
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state = work.optimizer_state()
         host = [s["step"] for s in optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
         optimizer_keys = set(tracker.register(state))
         # AdamW keeps its step counters on the host unless capturable/fused: not GPU memory.
@@ -140,7 +116,7 @@ def trace_step(preset: dict, device: str = "cuda", model_and_loss=_model_and_los
     if device == "cuda":
         # The cuBLAS workspace: allocated on the first GEMM, kept for the life of the handle.
         ws = max(timeline.allocations) + 1
-        timeline.allocations[ws] = Allocation(ws, CUBLAS_WORKSPACE_BYTES, SETUP, "<cublas workspace>")
+        timeline.allocations[ws] = Allocation(ws, workspace_bytes, SETUP, "<cublas workspace>")
         timeline.events.insert(step_start, (ws, +1))
         persistent = {ws}
     else:
@@ -190,7 +166,5 @@ def trace_step(preset: dict, device: str = "cuda", model_and_loss=_model_and_los
         micro_batches_traced=traced,
         events=len(timeline.events),
         notes=notes,
-        timeline=timeline,
-        live_at_peak=sorted(live),
     )
 
