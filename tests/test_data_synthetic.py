@@ -2,15 +2,22 @@
 deterministic, musically structured stems."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import musdb
+import museval
 import numpy as np
 import pytest
 import soundfile as sf
+import yaml
+from museval.metrics import Framing, _any_source_silent
 
 from data_helpers import TINY, make_cfg
 from tiersep.data import synthetic
+from tiersep.data.prepare import resample
 
 STEMS = ("drums", "bass", "other", "vocals")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +110,95 @@ def test_stems_are_musically_distinct():
     assert flatness["drums"] > 0.02  # noise-like hits...
     assert max(flatness["bass"], flatness["other"], flatness["vocals"]) < 0.005  # ...the rest harmonic
     vocal_frames = stems["vocals"][: 8 * sr // 400 * 400, 0].reshape(-1, 400)
-    assert (np.abs(vocal_frames).max(axis=1) < 1e-6).mean() > 0.03  # some silence: rests
+    assert (np.abs(vocal_frames).max(axis=1) < 1e-6).mean() > 0.03  # some silence: breaths
     for stem in STEMS:
         assert np.sqrt((stems[stem] ** 2).mean()) > 1e-3, stem
         assert stems[stem].dtype == np.float32 and stems[stem].shape == (8 * sr, 2)
-    assert set(params["active_bars"]) == set(STEMS)
+    assert set(params["sections"]) <= {"verse", "chorus"} and set(params["rests_s"]) == {"drums", "bass"}
+    assert all(length <= synthetic.MAX_REST_S for rests in params["rests_s"].values() for _, length in rests)
+
+
+def test_silences_are_short_and_stems_play_throughout():
+    """Every stem plays through the track: no silence (museval's sense: channel sum exactly 0)
+    reaches a 1 s frame, and almost every 1 s frame holds the stem within 30 dB of its level (a
+    nearly silent reference frame would make a degenerate score, even though museval keeps it);
+    but there are silences (drum stops, bass rests, vocal breaths)."""
+    sr = 8000
+    longest = dict.fromkeys(STEMS, 0.0)
+    for index in range(12):
+        stems, _params = synthetic.synth_entry({"seed": 1, "sample_rate": sr, "track_seconds": 12.0},
+                                               {"index": index})
+        for stem, audio in stems.items():
+            longest[stem] = max(longest[stem], _longest_silence(audio) / sr)
+            frames = audio[: len(audio) // sr * sr].reshape(-1, sr, 2).astype(np.float64)
+            level_db = 10 * np.log10((frames ** 2).mean(axis=(1, 2)) / (audio.astype(np.float64) ** 2).mean())
+            assert (level_db > -30).mean() >= 0.9, (index, stem, np.round(level_db, 1))
+    assert max(longest.values()) < 0.9, longest
+    assert longest["drums"] > 0.2 and longest["vocals"] > 0.2 and longest["bass"] > 0.1, longest
+
+
+def _longest_silence(audio):
+    """Longest run of samples whose channel sum is exactly 0 (museval's silence), in samples."""
+    edges = np.diff(np.concatenate([[0], (audio.sum(axis=1) == 0).astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return int((ends - starts).max()) if len(starts) else 0
+
+
+# ----------------------------------------------------------------------------- museval frames
+def museval_valid_frames(references: np.ndarray, rate: int) -> np.ndarray:
+    """Which 1 s frames museval scores, by museval's own code: BSSEval v4 frames come from
+    museval.metrics.Framing (window = hop = 1 s, as `tiersep evaluate` and SiSEC use), and bss_eval
+    skips a frame when museval.metrics._any_source_silent holds for the references or the
+    estimates. The mixture stands in as every stem's estimate. references: [4, S, 2] (museval's
+    layout) -> bool [frames]."""
+    estimates = np.broadcast_to(references.sum(axis=0), references.shape)
+    return np.array([not _any_source_silent(references[:, w]) and not _any_source_silent(estimates[:, w])
+                     for w in Framing(rate, rate, references.shape[1])])
+
+
+def default_run_settings(tmp_path) -> dict:
+    """The generator settings of the default run: config/config.yaml's data.synthetic."""
+    data = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["data"]
+    return synthetic.generator_settings(make_cfg(tmp_path, synthetic=data["synthetic"]))
+
+
+def test_default_test_set_is_scored_by_museval(tmp_path):
+    """At least 90% of the 1 s frames of every default test track are valid for museval (all four
+    stems sounding), at the generator's rate and at each CPU tier's rate (resampled as prepare
+    does); and there are at least 5 test tracks, so that one cannot decide the median."""
+    settings = default_run_settings(tmp_path)
+    assert settings["test_tracks"] >= 5
+    tier_rates = sorted({yaml.safe_load(p.read_text())["audio"]["sample_rate"]
+                         for p in (REPO / "config" / "presets").glob("cpu_*.yaml")})
+    assert tier_rates == [8000]  # the rate this test is about; extend it if a CPU tier changes
+    counts = {}
+    for entry in [t for t in synthetic.plan_tracks(settings) if t["subset"] == "test"]:
+        stems, _params = synthetic.synth_entry(settings, entry)
+        references = np.stack([stems[s] for s in STEMS])  # [4, S, 2]
+        for rate in (settings["sample_rate"], *tier_rates):
+            at_rate = references if rate == settings["sample_rate"] else \
+                np.moveaxis(resample(np.moveaxis(references, 1, 2), settings["sample_rate"], rate), 2, 1)
+            valid = museval_valid_frames(at_rate, rate)
+            counts[entry["name"], rate] = f"{valid.sum()}/{len(valid)}"
+            assert len(valid) == int(settings["track_seconds"]) and valid.mean() >= 0.9, counts
+    assert len(counts) == settings["test_tracks"] * (1 + len(tier_rates))
+
+
+def test_frame_rule_is_what_museval_evaluate_does():
+    """museval_valid_frames agrees with museval.evaluate itself: a stem silenced over a whole 1 s
+    frame makes that frame NaN for every stem; the others are scored. (museval runs on each stem's
+    channel sum, which its silence test looks at anyway: a mono solve is 6x cheaper than stereo.)"""
+    rate = 8000
+    stems, _params = synthetic.synth_entry({"seed": 2, "sample_rate": rate, "track_seconds": 4.0}, {"index": 0})
+    references = np.stack([stems[s] for s in STEMS])
+    references[3, int(0.8 * rate): int(2.3 * rate)] = 0  # vocals silent over all of frame 1 (1 s .. 2 s)
+    valid = museval_valid_frames(references, rate)
+    assert valid.tolist() == [True, False, True, True]
+    mono = references.sum(axis=2, keepdims=True)  # [4, S, 1]
+    estimates = np.broadcast_to(mono.sum(axis=0), mono.shape)
+    sdr, _isr, _sir, _sar = museval.evaluate(mono, estimates, win=rate, hop=rate, mode="v4")
+    assert sdr.shape == (4, 4)
+    np.testing.assert_array_equal(~np.isnan(sdr), np.broadcast_to(valid, sdr.shape))
 
 
 def _audio(path):

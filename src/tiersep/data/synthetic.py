@@ -5,11 +5,16 @@ vocals}.wav` (stereo, float32 WAV so that mixture.wav is *exactly* the float32 s
 files), which `ingest` then reads through the real `musdb` parser like any user's MUSDB18-HQ.
 
 Each track draws its own tempo, key, mode, chord progression, voice range, panning and gains, and
-an arrangement in which instruments drop in and out (silences and overlaps as in real music):
-- drums: kick / snare / hi-hat on a 16th-note grid (noise and pitched transients, tom fills);
+verse / chorus sections of four bars. As in MUSDB18's full mixes, all four stems play through the
+whole track and their silences are short (at most MAX_REST_S): a drum stop or bass rest ending a
+phrase, a vocal breath. So museval's SiSEC protocol, which drops every 1 s frame in which a
+reference stem is silent, scores (nearly) every frame.
+- drums: kick / snare / hi-hat on a 16th-note grid (noise and pitched transients), busier in a
+  chorus (extra kicks, 16th and open hats, a crash), tom fills and stops at phrase ends;
 - bass: low harmonic notes on the chord roots, fifths and octaves;
-- vocals: a harmonic voice with a melody, glides, vibrato, vowel formants and consonant bursts;
-- other: sustained chord pads and/or plucked arpeggios.
+- vocals: a harmonic voice singing two-bar phrases (higher in a chorus) with glides, vibrato,
+  vowel formants, consonant bursts and breaths;
+- other: sustained chord pads and/or plucked arpeggios (both in a chorus).
 The stems differ in timbre, register and rhythm, so a separator can learn them.
 
 Where it lives: `<data.prepared_dir>/../raw/synthetic-<key>/`, key = hash of the generator
@@ -33,7 +38,7 @@ from tqdm import tqdm
 
 from tiersep.io import read_json, write_json
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 STEMS = ("drums", "bass", "other", "vocals")  # MUSDB stem order; mixture = sum in this order
 MARKER = "tiersep_synthetic.json"  # written last: its presence means the folder is complete
 
@@ -139,15 +144,22 @@ def plan_tracks(settings: dict) -> list[dict]:
     return plan
 
 
+def synth_entry(settings: dict, entry: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """The stems and parameters of one planned track (its own random stream: any track can be made
+    alone, in any order)."""
+    sr = settings["sample_rate"]
+    rng = np.random.default_rng(np.random.SeedSequence([settings["seed"], entry["index"]]))
+    return synth_track(rng, sr, int(round(settings["track_seconds"] * sr)))
+
+
 def generate(root: Path, settings: dict, progress: bool = True) -> dict:
     """Write every track of the synthetic set under `root`; returns what the marker file holds."""
     start = time.perf_counter()
     root = Path(root)
-    sr, n = settings["sample_rate"], int(round(settings["track_seconds"] * settings["sample_rate"]))
+    sr = settings["sample_rate"]
     plan = plan_tracks(settings)
     for entry in tqdm(plan, desc="generate synthetic MUSDB", unit="track", disable=not progress):
-        rng = np.random.default_rng(np.random.SeedSequence([settings["seed"], entry["index"]]))
-        stems, params = synth_track(rng, sr, n)
+        stems, params = synth_entry(settings, entry)
         folder = root / entry["subset"] / entry["name"]
         folder.mkdir(parents=True)
         mixture = np.zeros_like(stems["drums"])  # [S, 2] float32
@@ -192,20 +204,54 @@ def envelope(length: int, sr: int, attack: float, release: float) -> np.ndarray:
     return env
 
 
-def arrangement(rng: np.random.Generator, n_bars: int) -> dict[str, np.ndarray]:
-    """Which instrument plays in which bar: sections of two bars, instruments drop in and out,
-    at least two play at once, and each plays somewhere."""
-    probs = {"drums": 0.8, "bass": 0.8, "other": 0.85, "vocals": 0.65}
-    n_sections = (n_bars + 1) // 2
-    active = {k: rng.random(n_sections) < p for k, p in probs.items()}
-    for s in range(n_sections):
-        playing = [k for k in probs if active[k][s]]
-        for k in rng.permutation(list(probs))[: max(0, 2 - len(playing))]:
-            active[k][s] = True
-    for k in probs:
-        if not active[k].any():
-            active[k][rng.integers(n_sections)] = True
-    return {k: np.repeat(v, 2)[:n_bars] for k, v in active.items()}
+# Every stem plays through the whole track, as in a full mix; its silences are short by design: a
+# drum stop or a bass rest at a section's end, a vocal breath at a phrase's end, none longer than
+# MAX_REST_S. So every 1 s frame holds all four stems, and museval (which drops a frame when any
+# reference is exactly silent in it) scores every frame.
+MAX_REST_S = 0.6
+SECTION_BARS = 4  # verse / chorus sections
+PHRASE_BARS = 2  # a vocal phrase, ended by a breath; drum fills and stops end phrases too
+
+
+def rest_16ths(song: dict, want: int) -> int:
+    """`want` 16th notes of rest, shortened to at most MAX_REST_S (and at least one 16th)."""
+    return max(1, min(want, int(MAX_REST_S * song["sr"] / song["sixteenth"])))
+
+
+def clip_to_rests(rests: list[tuple[int, int]], start16: int, length16: int) -> int:
+    """How many 16ths of a note starting at `start16` sound before a rest (0: it starts in one)."""
+    for rest_start, rest_length in rests:
+        if rest_start <= start16 < rest_start + rest_length:
+            return 0
+        if start16 < rest_start < start16 + length16:
+            length16 = rest_start - start16
+    return length16
+
+
+def plan_sections(rng: np.random.Generator, n_bars: int) -> list[str]:
+    """'verse' or 'chorus' for every bar, in sections of SECTION_BARS bars (a track is an excerpt:
+    it may open with either)."""
+    parts = [str(rng.choice(["verse", "chorus"])) for _ in range(-(-n_bars // SECTION_BARS))]
+    return [parts[b // SECTION_BARS] for b in range(n_bars)]
+
+
+def plan_breaks(rng: np.random.Generator, song: dict) -> tuple[set[int], dict[str, list[tuple[int, int]]]]:
+    """At the end of every phrase (PHRASE_BARS bars) but the last: a drum stop of a beat or two, or
+    a tom fill (bar index), or neither; independently, maybe a short bass rest.
+    -> (fill bars, {stem: rests})."""
+    n_bars = len(song["parts"])
+    fills, rests = set(), {"drums": [], "bass": []}
+    for end_bar in range(PHRASE_BARS, n_bars, PHRASE_BARS):
+        end16, roll = end_bar * 16, rng.random()
+        if roll < 0.3:
+            length = rest_16ths(song, int(rng.choice([4, 8])))
+            rests["drums"].append((end16 - length, length))
+        elif roll < 0.65:
+            fills.add(end_bar - 1)
+        if rng.random() < 0.3:
+            length = rest_16ths(song, int(rng.choice([2, 4])))
+            rests["bass"].append((end16 - length, length))
+    return fills, rests
 
 
 def synth_track(rng: np.random.Generator, sr: int, n: int) -> tuple[dict[str, np.ndarray], dict]:
@@ -217,16 +263,13 @@ def synth_track(rng: np.random.Generator, sr: int, n: int) -> tuple[dict[str, np
     mode = str(rng.choice(["major", "minor"]))
     scale = MAJOR if mode == "major" else MINOR
     progression = PROGRESSIONS[mode][rng.integers(len(PROGRESSIONS[mode]))]
-    chords = [progression[b % len(progression)] for b in range(n_bars)]
-    active = arrangement(rng, n_bars)
-    song = {"sr": sr, "n": n, "bar": bar, "key": key, "scale": scale, "chords": chords}
+    song = {"sr": sr, "n": n, "bar": bar, "sixteenth": bar / 16, "key": key, "scale": scale,
+            "chords": [progression[b % len(progression)] for b in range(n_bars)],
+            "parts": plan_sections(rng, n_bars)}
+    song["fills"], song["rests"] = plan_breaks(rng, song)
 
-    stems = {
-        "drums": drums(rng, song, active["drums"]),
-        "bass": bass(rng, song, active["bass"]),
-        "other": other(rng, song, active["other"]),
-        "vocals": vocals(rng, song, active["vocals"]),
-    }
+    stems = {"drums": drums(rng, song), "bass": bass(rng, song), "other": other(rng, song),
+             "vocals": vocals(rng, song)}
     # Level each stem (RMS over where it plays), then random gains; then one scale for the mix.
     gains_db = {"drums": rng.uniform(-5, 1), "bass": rng.uniform(-5, 1),
                 "other": rng.uniform(-6, 0), "vocals": rng.uniform(-3, 3)}
@@ -237,9 +280,12 @@ def synth_track(rng: np.random.Generator, sr: int, n: int) -> tuple[dict[str, np
     peak = np.abs(sum(stems.values())).max()
     scale_to = rng.uniform(0.5, 0.9) / max(peak, 1e-9)
     stems = {k: (v * scale_to).astype(np.float32) for k, v in stems.items()}
+    seconds = song["sixteenth"] / sr
     params = {"bpm": round(bpm, 2), "key": key, "mode": mode, "progression": list(progression),
               "gains_db": {k: round(float(v), 2) for k, v in gains_db.items()},
-              "active_bars": {k: v.astype(int).tolist() for k, v in active.items()}}
+              "sections": song["parts"][::SECTION_BARS],
+              "rests_s": {k: [[round(s * seconds, 3), round(length * seconds, 3)] for s, length in v]
+                          for k, v in song["rests"].items()}}
     return stems, params
 
 
@@ -277,37 +323,49 @@ def hat(rng, sr, open_hat: bool):
     return 0.3 * noise * np.exp(-t / (0.12 if open_hat else 0.015))
 
 
+def crash(rng, sr):
+    t = np.arange(int(1.2 * sr)) / sr
+    noise = np.diff(rng.standard_normal(len(t) + 2), n=2)
+    return 0.12 * noise * np.exp(-t / 0.35) * (1 + 0.3 * np.sin(2 * np.pi * 7.0 * t))
+
+
 def tom(rng, sr, pitch):
     t = np.arange(int(0.35 * sr)) / sr
     freq = pitch * (1 + 0.4 * np.exp(-t / 0.02))
     return np.sin(2 * np.pi * np.cumsum(freq) / sr) * np.exp(-t / 0.15)
 
 
-def drums(rng, song, active):
-    sr, n, sixteenth = song["sr"], song["n"], song["bar"] / 16
+def drums(rng, song):
+    """Kick, snare and hi-hat on a 16th grid; a chorus is busier (extra kicks, 16th hats, open hats,
+    a crash on its first beat); sections end in a tom fill or a short stop."""
+    sr, n, sixteenth = song["sr"], song["n"], song["sixteenth"]
     out = np.zeros((n, 2))
-    kicks = {0, 8} | {int(s) for s in rng.choice([3, 6, 10, 11, 14], size=rng.integers(0, 3), replace=False)}
-    snares = {4, 12}
-    hat_every = int(rng.choice([1, 2]))
+    kicks, snares = {0, 8}, {4, 12}
+    extra_kicks = {int(s) for s in rng.choice([3, 6, 10, 11, 14], size=rng.integers(1, 3), replace=False)}
+    verse_hat_every = int(rng.choice([2, 4]))  # 8ths or quarters in a verse, 16ths in a chorus
     hat_pan, snare_pan = pan_gains(rng.uniform(-0.6, 0.6)), pan_gains(rng.uniform(-0.2, 0.2))
-    centre = pan_gains(0.0)
+    crash_pan, centre = pan_gains(rng.uniform(-0.5, 0.5)), pan_gains(0.0)
     tom_pitches = rng.uniform(90, 220, size=3)
-    for b in np.flatnonzero(active):
-        fill = b % 2 == 1 and rng.random() < 0.35  # a tom fill ends some sections
+    for b, part in enumerate(song["parts"]):
+        chorus = part == "chorus"
+        if chorus and b % SECTION_BARS == 0:
+            place(out, int(round(b * 16 * sixteenth)), crash(rng, sr), crash_pan)
         for s in range(16):
-            start = int(round((b * 16 + s) * sixteenth + rng.normal(0, 0.002) * sr))
-            start = max(start, 0)
-            if fill and s >= 12:
+            if not clip_to_rests(song["rests"]["drums"], b * 16 + s, 1):
+                continue
+            start = max(0, int(round((b * 16 + s) * sixteenth + rng.normal(0, 0.002) * sr)))
+            if b in song["fills"] and s >= 12:
                 place(out, start, tom(rng, sr, tom_pitches[(s - 12) % 3]) * 0.8,
                       pan_gains(-0.5 + 0.33 * (s - 12)))
                 continue
-            if s in kicks:
+            if s in kicks or (chorus and s in extra_kicks):
                 place(out, start, kick(rng, sr) * rng.uniform(0.85, 1.0), centre)
             if s in snares:
                 place(out, start, snare(rng, sr) * rng.uniform(0.8, 1.0), snare_pan)
-            if s % hat_every == 0:
+            if s % (1 if chorus else verse_hat_every) == 0:
                 accent = 1.0 if s % 4 == 0 else 0.6
-                place(out, start, hat(rng, sr, open_hat=s == 14 and rng.random() < 0.3) * accent, hat_pan)
+                open_hat = chorus and s == 14 and rng.random() < 0.5
+                place(out, start, hat(rng, sr, open_hat=open_hat) * accent, hat_pan)
     return out
 
 
@@ -347,17 +405,21 @@ BASS_PATTERNS = (  # (start 16th, length in 16ths, interval above the root)
 )
 
 
-def bass(rng, song, active):
-    sr, n, sixteenth = song["sr"], song["n"], song["bar"] / 16
+def bass(rng, song):
+    """Low harmonic notes on the chord roots (fifths, octaves) in one pattern per track."""
+    sr, n, sixteenth = song["sr"], song["n"], song["sixteenth"]
     out = np.zeros((n, 2))
     pattern = BASS_PATTERNS[rng.integers(len(BASS_PATTERNS))]
     gains = pan_gains(rng.uniform(-0.1, 0.1))
     tilt, brightness = rng.uniform(1.0, 1.6), rng.uniform(2.0, 6.0)
     n_harmonics = int(min(10, 0.45 * sr / 130))
-    for b in np.flatnonzero(active):
+    for b in range(len(song["parts"])):
         root = chord_midi(song, song["chords"][b], 24)[0]
         root += 12 if root < 31 else 0  # keep roots in E1..D#2 (41-78 Hz) or one octave above
         for start16, length16, interval in pattern:
+            length16 = clip_to_rests(song["rests"]["bass"], b * 16 + start16, length16)
+            if not length16:
+                continue
             length = int(length16 * sixteenth * 0.92)
             t = np.arange(length) / sr
             note = harmonic_tone(midi_hz(root + interval), t, n_harmonics, tilt, brightness)
@@ -366,8 +428,9 @@ def bass(rng, song, active):
     return out
 
 
-def other(rng, song, active):
-    """Chord pads (slow attack, detuned for stereo width) and/or plucked arpeggios."""
+def other(rng, song):
+    """Chord pads (slow attack, detuned for stereo width) and/or plucked arpeggios, one style per
+    track in the verses; a chorus has both."""
     sr, n, bar = song["sr"], song["n"], song["bar"]
     out = np.zeros((n, 2))
     style = str(rng.choice(["pad", "pluck", "both"]))
@@ -375,9 +438,10 @@ def other(rng, song, active):
     arp_step = int(rng.choice([2, 4]))  # 8ths or 16ths... in 16ths
     arp_order = rng.permutation(3)
     pluck_pans = rng.uniform(-0.7, 0.7, size=2)
-    for b in np.flatnonzero(active):
+    for b, part in enumerate(song["parts"]):
         start = int(round(b * bar))
-        if style in ("pad", "both"):
+        layers = "both" if part == "chorus" else style
+        if layers in ("pad", "both"):
             length = int(bar * 1.05)
             t = np.arange(length) / sr
             env = envelope(length, sr, 0.15, 0.2) * (1 + 0.1 * np.sin(2 * np.pi * 4.5 * t))
@@ -386,7 +450,7 @@ def other(rng, song, active):
                     freq = midi_hz(note + cents / 100)
                     voice = harmonic_tone(freq, t, n_harmonics, 2.0) * env * 0.25
                     place(out, start, voice, np.eye(2)[channel])
-        if style in ("pluck", "both"):
+        if layers in ("pluck", "both"):
             notes = chord_midi(song, song["chords"][b], 60)
             sixteenth = bar / 16
             for i, s in enumerate(range(0, 16, arp_step)):
@@ -407,33 +471,40 @@ def formant_gain(freq: np.ndarray, formants) -> np.ndarray:
     return gain
 
 
-def melody(rng, song, active, low: int) -> list[tuple[int, int, int]]:
-    """(start 16th, length in 16ths, MIDI note) of a vocal line over the active bars, with rests."""
+def melody(rng, song, low: int) -> list[tuple[int, int, int]]:
+    """(start 16th, length in 16ths, MIDI note) of a vocal line: phrases of PHRASE_BARS bars sung
+    through, each ended by a breath, with now and then a short rest inside; never two rests in a
+    row, so no silence is longer than MAX_REST_S. A chorus sits two scale steps higher."""
     scale, key = song["scale"], song["key"]
+    n16 = len(song["parts"]) * 16
     degree = 7 + int(rng.integers(-2, 3))  # around the octave above `low`
     notes = []
-    for b in np.flatnonzero(active):
-        s = int(rng.choice([0, 2]))
-        while s < 16:
-            length = int(rng.choice([2, 2, 3, 4, 4, 6, 8]))
-            if rng.random() < 0.2:  # a rest (breath)
-                s += length
+    for phrase_start in range(0, n16, PHRASE_BARS * 16):
+        end = min(phrase_start + PHRASE_BARS * 16, n16) - rest_16ths(song, int(rng.integers(1, 5)))
+        lift = 2 if song["parts"][phrase_start // 16] == "chorus" else 0
+        s, after_rest = phrase_start, True  # a phrase opens with a note: the breath came before it
+        while s < end:
+            rest = rest_16ths(song, int(rng.choice([1, 2])))
+            if not after_rest and s + rest < end and rng.random() < 0.1:
+                s, after_rest = s + rest, True
                 continue
-            degree = int(np.clip(degree + rng.choice([-2, -1, -1, 0, 1, 1, 2]), 0, 13))
-            notes.append((b * 16 + s, min(length, 16 - s), low + key + scale[degree % 7] + 12 * (degree // 7)))
-            s += length
+            length = min(int(rng.choice([2, 2, 3, 4, 4, 6, 8])), end - s)
+            degree = int(np.clip(degree + rng.choice([-2, -1, -1, 0, 1, 1, 2]), 0, 11))
+            sung = degree + lift
+            notes.append((s, length, low + key + scale[sung % 7] + 12 * (sung // 7)))
+            s, after_rest = s + length, False
     return notes
 
 
-def vocals(rng, song, active):
+def vocals(rng, song):
     """A harmonic voice: melody with glides and vibrato, through vowel formants."""
-    sr, n, sixteenth = song["sr"], song["n"], song["bar"] / 16
+    sr, n, sixteenth = song["sr"], song["n"], song["sixteenth"]
     out = np.zeros((n, 2))
     low = int(rng.choice([45, 52]))  # a lower or higher voice (melody around A3..A4 or E4..E5)
     gains = pan_gains(rng.uniform(-0.15, 0.15))
     vibrato_rate, vibrato_depth = rng.uniform(4.8, 6.5), rng.uniform(0.25, 0.6)
     previous = None
-    for start16, length16, note in melody(rng, song, active, low):
+    for start16, length16, note in melody(rng, song, low):
         length = int(length16 * sixteenth)
         t = np.arange(length) / sr
         glide_from = note if previous is None else previous
