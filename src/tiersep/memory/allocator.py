@@ -37,7 +37,7 @@ SMALL_BUFFER = 2 * MIB          # kSmallBuffer: small segments, and small expand
 MIN_LARGE_ALLOC = 10 * MIB      # kMinLargeAlloc: requests below this get a large_segment_size segment
 LARGE_BUFFER = 20 * MIB         # large_segment_size default: segment for 1-10 MiB, large expandable page
 ROUND_LARGE = 2 * MIB           # kRoundLarge: larger segments are rounded up to this
-H100_80GB_BYTES = 85_520_809_984  # totalGlobalMem of the H100 80GB HBM3 (81559 MiB)
+H100_80GB_BYTES = 85_017_493_504  # H100 80GB HBM3 total memory as CUDA reports it (measurements.jsonl)
 UNLIMITED = 2**64 - 1           # max_split_size default (SIZE_MAX)
 
 
@@ -218,9 +218,6 @@ class CachingAllocatorModel:
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.insert(block)
-
-    def live_keys(self):
-        return self._live.keys()
 
     # -- rules ------------------------------------------------------------------------------------
     def _should_split(self, block: _Block, size: int) -> bool:
@@ -483,12 +480,14 @@ def replay_events(log: EventLog, expandable_segments: bool = False,
         addresses = [a for a, _, _, _ in prelog] + [a for a, _ in log.recorded_segments]
     model = CachingAllocatorModel(expandable_segments, segment_addresses=addresses)
     for i, (addr, total, used, small) in enumerate(prelog):
-        if used == 0:
-            _fail(log.path, f"segments_at_end ({addr:#x})", "a pre-log segment with nothing allocated")
-        model.malloc(("prelog", i), used)
+        # A pre-log segment the log allocates from its start was cached free: create it, free it.
+        request = used or (MIN_BLOCK if small else total)
+        model.malloc(("prelog", i), request)
         if not expandable_segments and model.device_allocs[-1][1] != total:
             _fail(log.path, f"segments_at_end ({addr:#x})",
-                  f"a {used} B pre-log block gives a {model.device_allocs[-1][1]} B segment, not {total}")
+                  f"a {request} B pre-log block gives a {model.device_allocs[-1][1]} B segment, not {total}")
+        if not used:
+            model.free(("prelog", i))
     skip = len(model.device_allocs)
     mismatches = 0
     for i, (action, addr, size) in enumerate(log.events):
