@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import soundfile as sf
+
 from tiersep import config as C
 from tiersep.data import synthetic
 
@@ -25,3 +28,25 @@ def write_musdb_layout(root: Path, sample_rate: int = 44100, seconds: float = 1.
                 "seed": seed, "sample_rate": sample_rate, "train_tracks": train, "valid_tracks": 1,
                 "test_tracks": test, "track_seconds": seconds}
     return synthetic.generate(root, settings, progress=False)
+
+
+# One pure tone per stem (Hz), all below 4 kHz so that they survive at 8 kHz; "other" also holds
+# ALIAS_HZ, which an 8 kHz prepare must filter out (decimating without a low-pass would fold it to
+# 8000 - ALIAS_HZ).
+TONES = {"drums": 3000.0, "bass": 110.0, "other": 660.0, "vocals": 1250.0}
+ALIAS_HZ = 6000.0
+
+
+def write_tone_track(folder: Path, sample_rate: int, seconds: float) -> None:
+    """A MUSDB18-HQ track folder whose stems are the TONES (stereo float32 WAV, the right channel at
+    half the left), mixture = their sum."""
+    t = np.arange(int(round(seconds * sample_rate))) / sample_rate
+    stems = {stem: 0.2 * np.sin(2 * np.pi * hz * t) for stem, hz in TONES.items()}
+    stems["other"] = stems["other"] + 0.1 * np.sin(2 * np.pi * ALIAS_HZ * t)
+    folder.mkdir(parents=True)
+    for stem, mono in stems.items():
+        sf.write(str(folder / f"{stem}.wav"), np.stack([mono, 0.5 * mono], axis=1).astype(np.float32),
+                 sample_rate, subtype="FLOAT")
+    mixture = sum(stems.values())
+    sf.write(str(folder / "mixture.wav"), np.stack([mixture, 0.5 * mixture], axis=1).astype(np.float32),
+             sample_rate, subtype="FLOAT")

@@ -95,12 +95,17 @@ def test_stem_length_mismatch(layout):
                r"mixture\.wav has 44100")
 
 
-def test_wrong_sample_rate(layout):
+def test_each_track_is_resampled_from_its_own_rate(layout):
+    """A user's folder need not be at 44.1 kHz, nor all at one rate: a track whose files are all at
+    48 kHz is prepared from 48 kHz (its 44100 samples are 0.91875 s there)."""
     root, train, _test, cfg = layout
     for path in (root / "train" / train[2]).glob("*.wav"):
         rewrite(path, rate=48000)
-    fails(cfg, rf"track '{train[2]}': wrong sample rate: .*/mixture\.wav is 48000 Hz, expected 44100 Hz "
-               r"for source musdb18hq")
+    manifest = prepare(cfg, out_of(cfg), 8000, progress=False)
+    assert manifest["source_sample_rates"] == [44100, 48000]
+    rates = {t["name"]: (t["source_rate"], t["source_samples"], t["samples"]) for t in manifest["tracks"]}
+    assert rates.pop(train[2]) == (48000, 44100, 7350)
+    assert set(rates.values()) == {(44100, 44100, 8000)}
 
 
 def test_mixed_sample_rates(layout):

@@ -14,7 +14,7 @@ import pytest
 import soundfile as sf
 import yaml
 
-from data_helpers import TINY, make_cfg
+from data_helpers import ALIAS_HZ, TINY, TONES, make_cfg, write_musdb_layout, write_tone_track
 from tiersep.data import synthetic
 from tiersep.data.errors import DataError
 from tiersep.data.prepare import MANIFEST, check_prepared, prepare, request_of, resample
@@ -128,6 +128,70 @@ def test_48k_source_prepared_at_44k1(tmp_path):
         assert track["source_rate"] == 48000 and track["source_samples"] == 48000
         assert track["samples"] == 44100
         assert sf.info(str(tmp_path / "out" / track["files"]["vocals"]["path"])).frames == 44100
+
+
+# ----------------------------------------------------------------------------- a user's 48 kHz stems
+@pytest.fixture(scope="module")
+def studio_48k(tmp_path_factory):
+    """A user's MUSDB18-HQ-layout folder at 48 kHz: 2 train tracks (1 s), a test track and a test
+    track of pure tones (1.5 s)."""
+    root = tmp_path_factory.mktemp("studio") / "stems-48k"
+    info = write_musdb_layout(root, sample_rate=48000, seconds=1.0, train=2, test=1)
+    write_tone_track(root / "test" / "Tone - Check", 48000, 1.5)
+    return root, info["valid_tracks"]
+
+
+@pytest.mark.parametrize("rate", [44100, 8000])
+def test_48k_multitracks_prepared_once_at_a_tier_rate(tmp_path, studio_48k, rate, capsys):
+    """Through the real musdb parser (source musdb18hq): lengths follow the rate change, a tone keeps
+    its frequency, a tone above the new Nyquist is filtered rather than folded, the manifest records
+    the source rate, and a second prepare does no work."""
+    root, valid = studio_48k
+    cfg = make_cfg(tmp_path, source="musdb18hq", root=str(root), valid_tracks=valid)
+    out = tmp_path / "prepared" / "musdb18hq" / str(rate)
+    manifest = prepare(cfg, out, rate, progress=False)
+    assert manifest["source_sample_rates"] == [48000] and manifest["sample_rate"] == rate
+    assert "from 48000 Hz" in capsys.readouterr().out
+    assert len(manifest["tracks"]) == 4 and manifest["parser"] == "musdb 0.4.3"
+    for track in manifest["tracks"]:
+        seconds = 1.5 if track["name"] == "Tone - Check" else 1.0
+        assert (track["source_rate"], track["source_samples"]) == (48000, int(seconds * 48000))
+        assert track["samples"] == int(seconds * rate) and track["rate"] == rate
+        for entry in track["files"].values():
+            assert sf.info(str(out / entry["path"])).frames == track["samples"]
+
+    tone = next(t for t in manifest["tracks"] if t["name"] == "Tone - Check")
+    spectra = {}
+    for stem, hz in TONES.items():
+        audio = sf.read(str(out / tone["files"][stem]["path"]), dtype="float32")[0]
+        np.testing.assert_allclose(audio[:, 1], 0.5 * audio[:, 0], atol=1e-6)
+        spectra[stem] = np.abs(np.fft.rfft(audio[:, 0] * np.hanning(len(audio))))
+        freqs = np.fft.rfftfreq(len(audio), 1 / rate)
+        assert abs(freqs[np.argmax(spectra[stem])] - hz) < 0.5, stem  # bins of 0.67 Hz: 1.5 s
+    level_db = 20 * np.log10(spectra["other"] / spectra["other"].max() + 1e-20)
+    if rate < 2 * ALIAS_HZ:  # filtered: nothing at the fold-over frequency
+        assert level_db[np.abs(freqs - (rate - ALIAS_HZ)) < 20].max() < -80
+    else:  # kept, at its level (half the 660 Hz tone's)
+        assert abs(level_db[np.abs(freqs - ALIAS_HZ) < 2].max() - 20 * np.log10(0.5)) < 0.5
+
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert prepare(cfg, out, rate, progress=False) == manifest
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_48k_track_with_a_44k1_stem_is_an_error(tmp_path, studio_48k):
+    """One rate per track: a stem bounced at another rate than its mixture names that file."""
+    root, valid = studio_48k
+    copy = tmp_path / "stems-48k"
+    shutil.copytree(root, copy)
+    vocals = copy / "test" / "Tone - Check" / "vocals.wav"
+    sf.write(str(vocals), sf.read(str(vocals), dtype="float32")[0], 44100, subtype="FLOAT")
+    cfg = make_cfg(tmp_path, source="musdb18hq", root=str(copy), valid_tracks=valid)
+    with pytest.raises(DataError, match=r"musdb18hq: track 'Tone - Check': mixed sample rates: "
+                                        r"\S*/Tone - Check/vocals\.wav is 44100 Hz but mixture\.wav is 48000 Hz$"):
+        prepare(cfg, tmp_path / "out", 8000, progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- MUSDB18 (.stem.mp4)

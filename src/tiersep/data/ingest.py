@@ -7,6 +7,9 @@ returns zero tracks for an empty root, and decodes through ffmpeg to 16-bit PCM 
 WAVs, about 250x slower than soundfile). So every track folder is checked here first (files,
 channels, rates, lengths; NaN/Inf when read), and audio is read from the files musdb lists with
 soundfile (WAV) or stempeg (stems .mp4, musdb's own decoder) at full precision.
+
+A user's folder may be at any sample rate (studio stems at 48 or 96 kHz, say), track by track:
+prepare resamples each track once from its own rate. Only the files of one track must agree.
 """
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ from tiersep.data.synthetic import ensure_synthetic, generator_settings, publish
 
 STEM_FILES = ("mixture", "drums", "bass", "other", "vocals")  # MUSDB files; stem index in .stem.mp4
 SPLITS = ("train", "valid", "test")
-MUSDB_RATE = 44100
 DOWNLOAD_TIMEOUT_S = 60.0  # per socket operation of the musdb-sample download
 DECODER_SLACK = 2048  # an AAC decode may end this many samples short of the stream length (padded)
 
@@ -57,7 +59,7 @@ class Source:
     name: str
     root: Path
     is_wav: bool
-    expected_rate: int
+    expected_rate: int | None  # None: any rate, as long as each track's files agree
     description: dict  # manifest fields: source (name), version, root, parser, generator | fingerprint
     tracks: list[SourceTrack] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -106,13 +108,13 @@ def open_source(cfg: dict, progress: bool = True) -> Source:
         description = {"source": name, "version": "MUSDB18-HQ (wav)" if is_wav else "MUSDB18 (stems .mp4)",
                        "root": str(root.resolve()), "fingerprint": root_fingerprint(root, is_wav),
                        "valid_tracks_from": "data.valid_tracks" if valid_names else "musdb official split"}
-        source = Source(name, root, is_wav, MUSDB_RATE, description)
+        source = Source(name, root, is_wav, None, description)
     elif name == "musdb-sample":
         root = ensure_musdb_sample(cfg)
         description = {"source": name, "version": "MUSDB18 7-second preview (stems .mp4)",
                        "root": str(root.resolve()),
                        "valid_tracks_from": "data.valid_tracks" if valid_names else "musdb official split"}
-        source = Source(name, root, False, MUSDB_RATE, description)
+        source = Source(name, root, False, None, description)
     else:  # the schema forbids it; kept for callers that bypass it
         raise DataError(f"data.source: unknown source {name!r}")
     description["parser"] = f"musdb {musdb_version()}"
@@ -187,7 +189,7 @@ def candidates(root: Path, subset: str, is_wav: bool) -> list[tuple[str, Path]]:
             if p.name.endswith(".stem.mp4") and p.is_file()]
 
 
-def check_wav_track(name: str, folder: Path, expected_rate: int, source: str) -> tuple[int, int]:
+def check_wav_track(name: str, folder: Path, expected_rate: int | None, source: str) -> tuple[int, int]:
     """Header checks of one MUSDB18-HQ track folder; returns (rate, samples) or raises TrackProblem."""
     infos = {}
     for stem in STEM_FILES:
@@ -202,7 +204,7 @@ def check_wav_track(name: str, folder: Path, expected_rate: int, source: str) ->
                                 for stem, i in infos.items()}, expected_rate, source)
 
 
-def check_stem_track(name: str, path: Path, expected_rate: int, source: str) -> tuple[int, int]:
+def check_stem_track(name: str, path: Path, expected_rate: int | None, source: str) -> tuple[int, int]:
     """ffprobe checks of one MUSDB18 .stem.mp4 (5 streams: mixture, drums, bass, other, vocals)."""
     import stempeg
 
@@ -222,8 +224,9 @@ def check_stem_track(name: str, path: Path, expected_rate: int, source: str) -> 
     return check_streams(name, streams, expected_rate, source)
 
 
-def check_streams(name: str, streams: dict, expected_rate: int, source: str) -> tuple[int, int]:
-    """streams: stem -> (path, channels, rate, samples). The same rules for WAV files and mp4 streams."""
+def check_streams(name: str, streams: dict, expected_rate: int | None, source: str) -> tuple[int, int]:
+    """streams: stem -> (path, channels, rate, samples). The same rules for WAV files and mp4 streams:
+    stereo, one rate and one length per track; that rate is `expected_rate` unless it is None."""
     mix_path, _, mix_rate, mix_samples = streams["mixture"]
     for stem, (path, channels, rate, samples) in streams.items():
         if channels != 2:
@@ -235,7 +238,7 @@ def check_streams(name: str, streams: dict, expected_rate: int, source: str) -> 
         if samples != mix_samples:
             raise TrackProblem(f"track {name!r}: stem length mismatch: {path} has {samples} samples but "
                                f"{mix_path.name} has {mix_samples}")
-    if mix_rate != expected_rate:
+    if expected_rate is not None and mix_rate != expected_rate:
         raise TrackProblem(f"track {name!r}: wrong sample rate: {mix_path} is {mix_rate} Hz, expected "
                            f"{expected_rate} Hz for source {source}")
     if mix_samples <= 0:

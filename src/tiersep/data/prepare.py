@@ -4,9 +4,11 @@ out_dir (= <data.prepared_dir>/<source>/<sample_rate>) receives
     manifest.json
     {train,valid,test}/<Artist - Title>/{mixture,drums,bass,other,vocals}.wav
 each a stereo float32 WAV at `sample_rate` (soundfile reads any range of it without decoding the
-rest). The folder is built under a temporary name and renamed at the end, so a failure leaves
-nothing; a folder whose manifest matches the request is left alone ("nothing to do"). Tracks are
-processed one at a time, one stem at a time, so memory does not grow with the dataset.
+rest), resampled once from the track's own rate (tracks of one source may differ: the manifest
+records each track's `source_rate` and all of them in `source_sample_rates`). The folder is built
+under a temporary name and renamed at the end, so a failure leaves nothing; a folder whose manifest
+matches the request is left alone ("nothing to do"). Tracks are processed one at a time, one stem
+at a time, so memory does not grow with the dataset.
 """
 from __future__ import annotations
 
@@ -111,8 +113,10 @@ def prepare(cfg: dict, out_dir: Path, sample_rate: int, progress: bool = True) -
         write_json(tmp / MANIFEST, manifest)
     seconds = time.perf_counter() - start
     size = sum(f["bytes"] for t in tracks for f in t["files"].values())
+    rates = "/".join(map(str, manifest["source_sample_rates"]))
     print(f"{out_dir}: prepared {len(tracks)} tracks ({', '.join(f'{k} {len(v)}' for k, v in splits.items())}"
-          f"{f'; {len(skipped)} skipped' if skipped else ''}), {size / 2**20:.1f} MiB in {seconds:.1f} s")
+          f"{f'; {len(skipped)} skipped' if skipped else ''}) from {rates} Hz, {size / 2**20:.1f} MiB "
+          f"in {seconds:.1f} s")
     return manifest
 
 
@@ -175,6 +179,7 @@ def build_manifest(request: dict, source: Source, sample_rate: int, tracks: list
         "sample_rate": sample_rate,
         "channels": 2,
         "stems": list(STEM_FILES),
+        "source_sample_rates": sorted({t["source_rate"] for t in tracks}),
         "splits": splits,
         "tracks": tracks,
         "skipped": skipped,
