@@ -14,7 +14,7 @@ import torch
 from conftest import one_torch_thread
 from test_train_support import make_workspace, tiny_preset
 from tiersep import config as C
-from tiersep.train import sweep, trainer
+from tiersep.train import oom, sweep, trainer
 from tiersep.train.schedule import Schedule
 from tiersep.train.step import make_optimizer, train_step
 from tiersep.train.telemetry import METRICS_FIELDS, CsvLog
@@ -148,7 +148,8 @@ def test_a_run_writes_every_output(ws, tmp_path):
     lrs = [float(r["lr"]) for r in metrics]
     assert lrs[0] < lrs[1] and lrs[-1] < lrs[2]  # warm-up, then decay
     memory = read_csv(out / "memory.csv")
-    assert list(memory[0]) == ["step", "allocated", "reserved", "peak"] and len(memory) == 6
+    # device: the process's device use on a GPU (total - free), empty on CPU
+    assert list(memory[0]) == ["step", "allocated", "reserved", "peak", "device"] and len(memory) == 6
     assert all(int(r["peak"]) >= int(r["allocated"]) > 0 for r in memory)
     run = json.loads((out / "run.json").read_text())
     for key in ("preset", "pid", "host", "device", "start_free_bytes", "peak_allocated_bytes",
@@ -157,6 +158,7 @@ def test_a_run_writes_every_output(ws, tmp_path):
         assert key in run, key
     assert run["steps"] == 6 and run["device_type"] == "cpu" and run["resumed_from"] is None
     assert run["start_free_bytes"] > 0 and run["peak_allocated_bytes"] >= max(int(r["peak"]) for r in memory)
+    assert run["peak_rss_bytes"] >= run["start_rss_bytes"] > 0 and run["allocator"] is None
     assert set(run["versions"]) == {"python", "torch", "torchaudio", "tiersep", "cuda"}
     assert run["estimate"]["peak_bytes"] > 0 and run["estimate"]["device"] == "cpu"
     model = torch.load(out / "model.pt", weights_only=False)
@@ -270,14 +272,14 @@ def test_injected_oom_writes_failure_and_the_retry_downshifts(ws, tmp_path, monk
 
 
 def test_oom_helpers():
-    assert trainer.attempted_allocation("CUDA out of memory. Tried to allocate 80.89 GiB (GPU 0)") \
+    assert oom.attempted_allocation("CUDA out of memory. Tried to allocate 80.89 GiB (GPU 0)") \
         == int(80.89 * 2**30)
-    assert trainer.attempted_allocation("Tried to allocate 512.00 MiB") == 512 * 2**20
-    assert trainer.attempted_allocation("something else") is None
-    assert trainer.is_oom(RuntimeError("CUDA error: out of memory"))
-    assert not trainer.is_oom(RuntimeError("shape mismatch"))
-    assert trainer.downshift(8, 1) == (4, 2) and trainer.downshift(3, 2) == (1, 6)
-    assert trainer.downshift(1, 4) == (1, 4)
+    assert oom.attempted_allocation("Tried to allocate 512.00 MiB") == 512 * 2**20
+    assert oom.attempted_allocation("something else") is None
+    assert oom.is_oom(RuntimeError("CUDA error: out of memory"))
+    assert not oom.is_oom(RuntimeError("shape mismatch"))
+    assert oom.downshift(8, 1) == (4, 2) and oom.downshift(3, 2) == (1, 6)
+    assert oom.downshift(1, 4) == (1, 4)
 
 
 # -------------------------------------------------------------------------------------- sweeps

@@ -19,14 +19,13 @@ import torch
 from tqdm import tqdm
 
 from tiersep.config import ConfigError
+from tiersep.device import choose_device
 from tiersep.evaluate import metrics
-from tiersep.evaluate.schema import AGGREGATE_KEYS, TRACK_KEYS, validate_scores
-from tiersep.evaluate.scoring import (TrackTask, available_cores, museval_peak_bytes, resolve_workers,
-                                      score_tracks)
+from tiersep.evaluate.scoring import (TrackTask, aggregate_scores, available_cores, museval_peak_bytes,
+                                      resolve_workers, score_tracks, write_scores)
 from tiersep.evaluate.separate import separate
-from tiersep.io import atomic_dir, write_json
+from tiersep.io import atomic_dir
 
-MUSEVAL_METRICS = ("sdr", "sir", "isr", "sar")
 # Fields of a preset the weights depend on: a checkpoint only loads into the same architecture.
 ARCHITECTURE_FIELDS = {
     "audio": ("sample_rate", "channels", "n_fft", "hop", "window"),
@@ -53,10 +52,7 @@ def protocol_text(rate: int, cfg_eval: dict) -> str:
 # Loading
 # ---------------------------------------------------------------------------------------------
 def resolve_device(preset: dict) -> torch.device:
-    wanted = preset["train"]["device"]
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(wanted)
+    return choose_device(preset, "evaluate")
 
 
 def check_same_architecture(preset: dict, trained: dict, model_path: Path) -> None:
@@ -83,42 +79,6 @@ def load_model(model_path: Path, preset: dict) -> tuple[torch.nn.Module, int | N
     model = build_model(preset)
     model.load_state_dict(checkpoint["model"])
     return model, checkpoint.get("step")
-
-
-# ---------------------------------------------------------------------------------------------
-# Aggregation
-# ---------------------------------------------------------------------------------------------
-def _finite_or_none(value) -> float | None:
-    """JSON has no NaN/inf: an undefined score is written as null."""
-    value = float(value)
-    return value if np.isfinite(value) else None
-
-
-def aggregate(per_track: dict, sources: list[str]) -> tuple[dict, dict]:
-    """per_stem = median over tracks (skipping undefined), overall = mean over stems (undefined if
-    any stem is); improvements are differences of the aggregates."""
-    per_stem = {}
-    for source in sources:
-        stem = {key: float(metrics.nanmedian([per_track[t][source][key] for t in per_track]))
-                for key in TRACK_KEYS}
-        stem["si_sdr_improvement"] = stem["si_sdr"] - stem["si_sdr_mixture"]
-        stem["sdr_improvement"] = stem["sdr"] - stem["sdr_mixture"]
-        per_stem[source] = stem
-    overall = {key: float(np.mean([per_stem[s][key] for s in sources])) for key in AGGREGATE_KEYS}
-    return per_stem, overall
-
-
-def _museval_track_medians(museval_json: str | None, name: str, sources: list[str]) -> dict:
-    """Per-stem median over frames, computed by museval's own EvalStore from its JSON."""
-    if museval_json is None:
-        return {s: dict.fromkeys(MUSEVAL_METRICS, float("nan")) for s in sources}
-    import museval
-    import simplejson
-
-    store = museval.EvalStore(frames_agg="median", tracks_agg="median")
-    store.add_track(museval.aggregate.json2df(simplejson.loads(museval_json, allow_nan=True), name))
-    medians = store.agg_frames_scores()  # Series indexed by (track, target, metric)
-    return {s: {m: float(medians[(name, s, m.upper())]) for m in MUSEVAL_METRICS} for s in sources}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,31 +143,23 @@ def evaluate_model(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Pa
 
         results = score_tracks(tasks(), workers, on_result=lambda r: bar.update(1))
 
-        per_track, skipped = {}, {}
+        skipped = {}
         for result in results:
             name = result["name"]
             if result["error"]:
                 skipped[name] = result["error"]
             else:
                 (museval_dir / f"{name}.json").write_text(result["museval_json"])
-            museval_scores = _museval_track_medians(result["museval_json"], name, sources)
-            sdr_mixture = metrics.track_median(result["sdr_mixture_frames"])  # [n]
-            per_track[name] = {
-                source: {"si_sdr": si_sdrs[name][source]["si_sdr"],
-                         **museval_scores[source],                            # sdr, sir, isr, sar
-                         "si_sdr_mixture": si_sdrs[name][source]["si_sdr_mixture"],
-                         "sdr_mixture": float(sdr_mixture[i])}
-                for i, source in enumerate(sources)}
 
-    per_stem, overall = aggregate(per_track, sources)
+    aggregated = aggregate_scores(results, si_sdrs, sources)  # museval's EvalStore medians
     scores = {
         "preset": preset["name"],
         "sources": sources,
         "sample_rate": rate,
-        "tracks": len(per_track),
-        "overall": overall,
-        "per_stem": per_stem,
-        "per_track": per_track,
+        "tracks": len(aggregated["per_track"]),
+        "overall": aggregated["overall"],
+        "per_stem": aggregated["per_stem"],
+        "per_track": aggregated["per_track"],
         "protocol": protocol_text(rate, settings),
         "seconds": time.perf_counter() - began,
         "skipped": skipped,
@@ -221,8 +173,7 @@ def evaluate_model(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Pa
         "museval_version": _museval_version(),
     }
     scores = _json_ready(scores)
-    validate_scores(scores)
-    write_json(out_dir / "scores.json", scores)
+    write_scores(out_dir / "scores.json", scores)
     _print_summary(scores)
     return scores
 
@@ -257,6 +208,12 @@ def _museval_version() -> str:
     from importlib.metadata import version
 
     return version("museval")
+
+
+def _finite_or_none(value) -> float | None:
+    """JSON has no NaN/inf: an undefined score is written as null."""
+    value = float(value)
+    return value if np.isfinite(value) else None
 
 
 def _json_ready(value):

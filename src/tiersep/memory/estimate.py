@@ -55,9 +55,14 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "checkpointing": preset["model"]["checkpointing"],
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
     }
-    if device == "cpu":
+    return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
+
+
+def with_booking(record: dict, preset: dict) -> dict:
+    """Add what the CPU gate books for the whole train process around the live bytes (cpu only)."""
+    if record["device"] == "cpu":
         record["cpu_process"] = cpu_process.booking(record, preset)
-    return finish(record, budget_bytes, safety_margin, time.time() - start)
+    return record
 
 
 def required_bytes(record: dict) -> int:

@@ -17,7 +17,7 @@ import copy
 from . import analytic, calibration
 from .constants import GIB
 from .cuda_model import modelled_backend
-from .estimate import estimate
+from .estimate import estimate, required_bytes, with_booking
 
 
 class NothingFits(ValueError):
@@ -84,7 +84,10 @@ def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: fl
     ckpt_options = [True] if m["checkpointing"] else [False, True]
 
     def analytic_peak(v: dict) -> float:
-        return ratio * analytic.predict(v, device, numels=numels, device_cal=cal)["peak"]
+        """What the gate would book for `v` (on CPU the process around the live bytes), from the
+        closed form scaled to the trace."""
+        peak = ratio * analytic.predict(v, device, numels=numels, device_cal=cal)["peak"]
+        return required_bytes(with_booking({"device": device, "peak_bytes": int(peak)}, v))
 
     def best_at(segment: int, limit_now: float) -> dict | None:
         """Fewest levers, then the largest micro-batch, that fit at this segment length."""
@@ -125,7 +128,7 @@ def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: fl
             fitted["description"] = (f"{preset['name']} fitted to {gib:g} GiB ({device}): "
                                      f"{'; '.join(changes)}. Trace estimate {checked['peak_bytes'] / GIB:.2f} GiB.")
             return fitted, changes
-        limit_now *= limit / checked["peak_bytes"] * 0.98
+        limit_now *= limit / checked["gate_required_bytes"] * 0.98
     raise NothingFits(
         f"preset {preset['name']}: nothing fits {budget_bytes / GIB:.2f} GiB on {device} with a "
         f"{safety_margin:.0%} margin, not even micro-batch 1 with checkpointing, bf16, a fused attention "

@@ -8,7 +8,6 @@ train process on CPU (memory.cpu_process).
 """
 from __future__ import annotations
 
-from . import cpu_process
 from .constants import GIB
 from .estimate import estimate as make_estimate
 from .estimate import finish
@@ -41,18 +40,13 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
             + f", {estimate.get('attention_backend')} attention) + {safety_margin:.0%} margin "
             f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
     suggestion = fitted = None
-    # fit works in estimate units: on CPU, take off what the booking adds for the process
-    fit_budget = budget_bytes if device_type == "cuda" else cpu_process.live_budget(budget_bytes, safety_margin)
-    if fit_budget <= 0:
-        hint = "no variant fits (the process allowance alone is over the budget)"
-    else:
-        try:
-            from .fit import fit
+    try:
+        from .fit import fit
 
-            fitted, suggestion = fit(preset, fit_budget, device_type, safety_margin)
-            hint = (f"nearest change that fits: {'; '.join(suggestion)} (`tiersep fit --preset "
-                    f"{preset['name']} --budget {budget_bytes / GIB:.1f}` writes it)")
-        except Exception as err:   # nothing fits, or the search failed: say so, still refuse
-            hint = f"no variant fits ({str(err).splitlines()[0]})"
+        fitted, suggestion = fit(preset, budget_bytes, device_type, safety_margin, calibration_spec)
+        hint = (f"nearest change that fits: {'; '.join(suggestion)} (`tiersep fit --preset "
+                f"{preset['name']} --budget {budget_bytes / GIB:.1f}` writes it)")
+    except Exception as err:   # nothing fits, or the search failed: say so, still refuse
+        hint = f"no variant fits ({str(err).splitlines()[0]})"
     raise DoesNotFit(f"preset {preset['name']}: {what}; {hint}", estimate, budget_bytes, suggestion,
                      fitted if suggestion else None)

@@ -11,7 +11,6 @@ resident, the trainer's own train_step.
 from __future__ import annotations
 
 import gc
-import resource
 import time
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 from .tracker import FORWARD, StorageTracker, cpu_block_bytes
 from .workload import build_workload
 from tiersep.train.step import train_step
+from tiersep.train.telemetry import peak_rss_bytes
 
 
 @dataclass
@@ -31,10 +31,6 @@ class MeasureResult:
     rss_growth: int | None        # cpu: peak RSS minus RSS before the step (bytes)
     largest_allocation: int | None
     seconds_per_step: float
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
 def measure_step(preset: dict, device: str | None = None, steps: int = 1,
@@ -65,7 +61,7 @@ def measure_step(preset: dict, device: str | None = None, steps: int = 1,
     tracker.register(work.optimizer_state())
     tracker.register([x for pair in inputs for x in pair])
     rss_before = _current_rss_bytes()
-    peak_rss_before = _peak_rss_bytes()
+    peak_rss_before = peak_rss_bytes()
     start = time.time()
     hook = model.register_forward_pre_hook(lambda *_: setattr(tracker, "phase", FORWARD))
     try:
@@ -76,7 +72,7 @@ def measure_step(preset: dict, device: str | None = None, steps: int = 1,
         hook.remove()
         tracker.stop()
     seconds = (time.time() - start) / steps
-    peak_rss = _peak_rss_bytes()
+    peak_rss = peak_rss_bytes()
     rss_growth = peak_rss - rss_before if peak_rss > peak_rss_before else None
     largest = max((x.nbytes for x in tracker.timeline.allocations.values()), default=0)
     peak, _ = tracker.timeline.replay()

@@ -19,10 +19,11 @@ import psutil
 import torch
 
 from tiersep.io import write_text
+from tiersep.memory.calibration import other_processes_bytes
 
 METRICS_FIELDS = ["step", "time_s", "loss", "lr", "grad_norm", "steps_per_s",
                   "val_loss", "val_sdr", "val_si_sdr"]
-MEMORY_FIELDS = ["step", "allocated", "reserved", "peak"]
+MEMORY_FIELDS = ["step", "allocated", "reserved", "peak", "device"]
 
 
 class CsvLog:
@@ -83,13 +84,20 @@ def column_max(path: Path, column: str) -> int:
 
 
 class MemoryProbe:
-    """Allocated / reserved / peak bytes: the CUDA caching allocator's counters, or RSS on CPU."""
+    """Allocated / reserved / peak bytes: the CUDA caching allocator's counters, or RSS on CPU.
+
+    On CUDA it also samples the process's device use (total - free, what nvidia-smi shows, less what
+    other processes held when this one started, from NVML), and so the CUDA context beyond torch's
+    reserved memory. Create it before CUDA starts in this process."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
         self._process = psutil.Process()
         self._peak_rss = 0
+        self._peak_device = 0
+        self.others_bytes = other_processes_bytes() if self.cuda else 0
+        self.start_rss = int(self._process.memory_info().rss)
 
     def start_free_bytes(self) -> int:
         """Free memory before this job allocates anything: the GPU's, or the machine's RAM."""
@@ -103,15 +111,27 @@ class MemoryProbe:
             return int(torch.cuda.memory_reserved(self.device))
         return int(self._process.memory_info().rss)
 
+    def device_used(self) -> int:
+        """This process's device use now: total - free, less other processes' memory at start."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = int(total - free - self.others_bytes)
+        self._peak_device = max(self._peak_device, used)
+        return used
+
+    def context_bytes(self) -> int:
+        """Device use beyond torch's reserved memory: the CUDA context and library handles."""
+        return self.device_used() - int(torch.cuda.memory_reserved(self.device))
+
     def sample(self) -> dict:
         if self.cuda:
             return {"allocated": int(torch.cuda.memory_allocated(self.device)),
                     "reserved": int(torch.cuda.memory_reserved(self.device)),
-                    "peak": int(torch.cuda.max_memory_allocated(self.device))}
+                    "peak": int(torch.cuda.max_memory_allocated(self.device)),
+                    "device": self.device_used()}
         rss = int(self._process.memory_info().rss)
         # ru_maxrss is refreshed by the kernel lazily and can trail the RSS psutil just read.
         self._peak_rss = max(self._peak_rss, rss, peak_rss_bytes())
-        return {"allocated": rss, "reserved": rss, "peak": self._peak_rss}
+        return {"allocated": rss, "reserved": rss, "peak": self._peak_rss, "device": None}
 
     def peaks(self) -> tuple[int, int]:
         """(peak allocated, peak reserved) of this process."""
@@ -121,12 +141,21 @@ class MemoryProbe:
         self._peak_rss = max(self._peak_rss, int(self._process.memory_info().rss), peak_rss_bytes())
         return self._peak_rss, self._peak_rss
 
+    def record(self) -> dict:
+        """The run.json memory fields measured by this probe."""
+        if self.cuda:
+            context = self.context_bytes()
+            return {"peak_device_bytes": self._peak_device, "context_bytes": context,
+                    "other_processes_bytes": self.others_bytes}
+        self.peaks()
+        return {"peak_rss_bytes": self._peak_rss, "start_rss_bytes": self.start_rss}
+
     def postfix(self) -> str:
         """Short text for the progress bar."""
         s = self.sample()
         gib = 2**30
         if self.cuda:
-            return f"{s['allocated'] / gib:.2f}/{s['reserved'] / gib:.2f}/{s['peak'] / gib:.2f}GiB"
+            return f"{s['allocated'] / gib:.2f}/{s['reserved'] / gib:.2f}/{s['device'] / gib:.2f}GiB"
         return f"rss {s['allocated'] / gib:.2f}GiB"
 
 

@@ -1,0 +1,63 @@
+"""Which device a job runs on, and the CUDA allocator settings it runs with (train and evaluate).
+
+Both are decided before CUDA is initialised: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
+once, when CUDA starts in this process.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tiersep.config import ConfigError
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# Test-only knob: emulate a smaller GPU (torch.cuda.set_per_process_memory_fraction), to rehearse a
+# real out-of-memory failure on a large card.
+MEMORY_FRACTION_ENV = "TIERSEP_CUDA_MEMORY_FRACTION"
+
+
+def choose_device(preset: dict, job: str = "train") -> torch.device:
+    """train.device of the preset: cuda, cpu, or auto (cuda when a GPU is visible)."""
+    wanted = preset["train"]["device"]
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"preset {preset['name']}: train.device: cuda, but no CUDA device is visible "
+                          f"to this {job} job")
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def configure_cuda_allocator(preset: dict) -> dict:
+    """Set expandable segments (train.cuda_expandable_segments) for this process's CUDA allocator,
+    unless the user set PYTORCH_CUDA_ALLOC_CONF themselves: then theirs is respected. Returns the
+    effective settings, for run.json; the estimate models the same mode."""
+    user = os.environ.get(ALLOC_CONF)
+    if user is not None:
+        return {"conf": user, "source": f"{ALLOC_CONF} set by the user",
+                "expandable_segments": expandable_in(user)}
+    wanted = bool(preset["train"]["cuda_expandable_segments"])
+    if wanted:
+        os.environ[ALLOC_CONF] = "expandable_segments:True"
+    return {"conf": os.environ.get(ALLOC_CONF, ""), "source": "train.cuda_expandable_segments",
+            "expandable_segments": wanted}
+
+
+def expandable_in(conf: str) -> bool:
+    """Whether an allocator config string turns expandable segments on (last setting wins)."""
+    on = False
+    for part in conf.split(","):
+        key, _, value = part.strip().partition(":")
+        if key.strip() == "expandable_segments":
+            on = value.strip().lower() == "true"
+    return on
+
+
+def apply_memory_fraction(device: torch.device) -> float | None:
+    """Honour TIERSEP_CUDA_MEMORY_FRACTION on a GPU (test-only; see module docstring)."""
+    text = os.environ.get(MEMORY_FRACTION_ENV)
+    if not text or device.type != "cuda":
+        return None
+    fraction = float(text)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction

@@ -1,0 +1,80 @@
+"""What a training process leaves behind: run.json when it finishes, failure.json when it does not."""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tiersep.io import write_json
+from tiersep.train.oom import attempted_allocation
+from tiersep.train.telemetry import column_max, describe_device, host_info, versions
+
+# The estimate fields run.json keeps beside the measurement.
+ESTIMATE_FIELDS = ("peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "gate_required_bytes",
+                   "largest_allocation_bytes", "method", "device", "budget_bytes", "fits", "uncertainty",
+                   "attention_backend", "calibration", "allocator", "cpu_process")
+
+
+def write_failure(out_dir: Path, kind: str, message: str, **extra) -> None:
+    write_json(Path(out_dir) / "failure.json", {"kind": kind, "message": message, **extra, **host_info(),
+                                                "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def write_oom_failure(run, err: BaseException, memory: dict) -> str:
+    """failure.json kind oom for a Training `run`: the attempted allocation beside the estimate."""
+    message = str(err).strip()
+    first = message.splitlines()[0] if message else "out of memory"
+    est, t = run.plan.estimate or {}, run.t
+    write_failure(
+        run.out_dir, "oom", first, full_message=message, preset=run.preset["name"], step=run.step,
+        attempt=run.plan.attempt, device=describe_device(run.device), batch_size=t["batch_size"],
+        grad_accum=t["grad_accum"], precision=t["precision"],
+        attempted_allocation_bytes=attempted_allocation(message),
+        estimate_peak_bytes=est.get("peak_bytes"),
+        estimate_largest_allocation_bytes=est.get("largest_allocation_bytes"),
+        estimate_method=est.get("method"), budget_bytes=run.plan.budget,
+        memory_at_failure=memory, start_free_bytes=run.plan.start_free,
+        next_attempt=("halves the micro-batch and doubles accumulation"
+                      if t["batch_size"] > 1 else "nothing left to halve (micro-batch 1)"))
+    return first
+
+
+def run_record(run, weights_step: int) -> dict:
+    """run.json of a finished Training `run`."""
+    plan, t, probe = run.plan, run.t, run.plan.probe
+    peak_alloc, peak_reserved = probe.peaks()
+    # Peaks over every process that worked on this run (a resumed run has several).
+    peak_alloc = max(peak_alloc, column_max(run.out_dir / "memory.csv", "peak"))
+    peak_reserved = max(peak_reserved, column_max(run.out_dir / "memory.csv", "reserved"))
+    measured = probe.record()
+    if plan.device.type == "cuda":
+        measured["peak_device_bytes"] = max(measured["peak_device_bytes"],
+                                            column_max(run.out_dir / "memory.csv", "device"))
+    loop_seconds = time.time() - run.loop_start
+    est = plan.estimate or {}
+    return {
+        "preset": run.preset["name"], **host_info(), "device": describe_device(plan.device),
+        "device_type": plan.device.type, "start_free_bytes": plan.start_free,
+        "start_process_bytes": plan.start_process,
+        "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_reserved, **measured,
+        "allocator": plan.allocator if plan.device.type == "cuda" else None,
+        "memory_fraction": plan.memory_fraction,
+        "wall_seconds": round(time.time() - run.wall_start, 3),
+        "train_seconds": round(run.train_seconds(), 3),
+        "steps": run.step, "steps_this_process": run.steps_this_process,
+        "steps_per_s": (run.steps_this_process / loop_seconds) if loop_seconds > 0 else None,
+        "parameters": run.parameters,
+        "attention_backend": est.get("attention_backend", run.preset["model"]["attention_backend"]),
+        "precision": t["precision"], "batch_size": t["batch_size"], "grad_accum": t["grad_accum"],
+        "effective_batch": t["batch_size"] * t["grad_accum"], "lr": t["lr"], "seed": t["seed"],
+        "attempt": plan.attempt, "downshifted_from": plan.downshifted_from,
+        "recovered_from": plan.recovered_from, "resumed_from": run.resumed_from,
+        "best": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in run.best.items()},
+        "exported": {"weights": t["export"], "step": int(weights_step)},
+        "versions": versions(), "torch_threads": torch.get_num_threads(),
+        "estimate": {k: est.get(k) for k in ESTIMATE_FIELDS} if est else None,
+        "gate_budget_bytes": plan.budget,
+        "adapted": plan.adapted,
+    }

@@ -1,0 +1,45 @@
+"""Resuming a run: which checkpoint continues it, and whether it was written for the same preset."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiersep.train import checkpoint as ckpt
+
+# Preset fields that may differ between a checkpoint and the run resuming it: they change how a
+# step is computed or logged, not what it computes.
+RESUMABLE_DIFFERENCES = {("name",), ("description",), ("train", "batch_size"), ("train", "grad_accum"),
+                         ("train", "num_workers"), ("train", "checkpoint_every"),
+                         ("train", "validate_every"), ("train", "allow_cpu"), ("train", "device"),
+                         ("train", "compile"), ("train", "compile_mode"),
+                         ("train", "cuda_expandable_segments")}
+
+
+def resume_state(out_dir: Path, preset: dict, resume: bool) -> tuple[dict | None, str | None]:
+    """(the checkpoint to continue from, None), or (None, why not) when --resume finds no
+    checkpoint written for this same preset. The caller says why once the preset is final."""
+    last = ckpt.last_path(out_dir)
+    if not resume:
+        return None, None
+    if not last.is_file():
+        return None, f"no checkpoint at {last}"
+    state = ckpt.load_checkpoint(last)
+    differ = preset_differences(state["preset"], preset)
+    if differ:
+        return None, (f"{last} was written for a different {preset['name']} preset (differs in "
+                      f"{', '.join(differ)})")
+    return state, None
+
+
+def preset_differences(a: dict, b: dict, prefix: tuple = ()) -> list[str]:
+    """Dotted names of fields that differ between two presets, ignoring RESUMABLE_DIFFERENCES."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        path = prefix + (key,)
+        if path in RESUMABLE_DIFFERENCES or str(key).startswith("_"):
+            continue
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += preset_differences(va, vb, path)
+        elif va != vb:
+            out.append(".".join(map(str, path)))
+    return out
