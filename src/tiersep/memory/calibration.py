@@ -117,7 +117,7 @@ def measure(progress=print) -> dict:
 
     if not torch.cuda.is_available():
         raise RuntimeError("tiersep calibrate: no CUDA device is visible (it measures a GPU)")
-    others = _used_by_others()
+    others = other_processes_bytes()
 
     def outside() -> int:   # device use not in torch's reserved memory: the context
         torch.cuda.synchronize()
@@ -173,7 +173,7 @@ def _warm_training_step(torch) -> None:
     torch.cuda.synchronize()
 
 
-def _used_by_others() -> int:
+def other_processes_bytes() -> int:
     """Device memory held by other processes before this one touched CUDA (NVML's process list;
     0 when NVML is absent). Only processes count: the measured context is total - free less torch's
     reserved memory, as in the shared H100 measurements, so the driver's own reserve stays in it."""
