@@ -63,18 +63,51 @@ def cmd_prepare(args, cfg):
     return 0
 
 
+def estimate_device(cfg: dict, name: str, preset: dict, wanted: str | None) -> str:
+    """The device an estimate models (estimate.device): auto = a trained tier's own training device
+    (train.device; its auto means cuda when NVML sees a GPU, no CUDA context opened), cuda for the
+    estimate-only tiers."""
+    from tiersep.memory.calibration import gpu_name
+    from tiersep.train.sweep import expand_trials
+
+    wanted = wanted or cfg["estimate"]["device"]
+    if wanted != "auto":
+        return wanted
+    trained = name in cfg["tiers"] or (cfg.get("sweep") and name in expand_trials(cfg))
+    if not trained:
+        return "cuda"
+    train_device = preset["train"]["device"]
+    if train_device == "auto":
+        return "cuda" if gpu_name() is not None else "cpu"
+    return train_device
+
+
+def estimate_budget(cfg: dict, device: str, override_gib: float | None) -> int | None:
+    """The budget an estimate is judged against: the configured GPU budget on cuda (auto: none
+    here, the train job checks it on its GPU), the machine's available RAM on cpu."""
+    if device == "cpu" and override_gib is None:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    return C.budget_bytes(cfg, override_gib)
+
+
 def cmd_estimate(args, cfg):
     from tiersep.io import write_json
     from tiersep.memory import estimate
 
     preset = resolve_preset(args.preset, cfg, args.set)
+    device = estimate_device(cfg, args.preset, preset, args.device)
     record = estimate(
         preset,
         method=args.method or cfg["estimate"]["method"],
-        device=args.device or cfg["estimate"]["device"],
-        budget_bytes=C.budget_bytes(cfg, args.budget),
+        device=device,
+        budget_bytes=estimate_budget(cfg, device, args.budget),
         safety_margin=cfg["estimate"]["safety_margin"],
+        calibration_spec=args.calibration or cfg["estimate"]["calibration"],
     )
+    if device == "cuda" and args.budget is None and cfg["budget_gib"] == "auto":
+        record["budget"] = "auto (checked at train time)"
     write_json(args.out, record)
     gib = record["peak_bytes"] / 2**30
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
@@ -91,13 +124,26 @@ def cmd_fit(args, cfg):
     budget = C.budget_bytes(cfg, args.budget)
     if budget is None:
         raise C.ConfigError("--budget: no budget (auto found no GPU); give a number of GiB")
-    fitted, changes = fit(preset, budget, device=args.device or cfg["estimate"]["device"],
-                          safety_margin=cfg["estimate"]["safety_margin"])
+    fitted, changes = fit(preset, budget, device=estimate_device(cfg, args.preset, preset, args.device),
+                          safety_margin=cfg["estimate"]["safety_margin"],
+                          calibration_spec=args.calibration or cfg["estimate"]["calibration"])
     write_text(args.out, C.dump_preset(fitted))
     print(f"{preset['name']} -> {fitted['name']} under {budget / 2**30:.1f} GiB:")
     for change in changes or ["nothing to change: it already fits"]:
         print(f"  - {change}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_calibrate(args, cfg):
+    from tiersep.io import write_json
+    from tiersep.memory.calibration import measure
+
+    record = measure(progress=lambda line: print(line, file=sys.stderr))
+    write_json(args.out, record)
+    print(f"{record['name']}: context {record['context_bytes'] / 2**20:.0f} MiB, cuBLAS workspace "
+          f"{record['cublas_workspace_bytes'] / 2**20:.0f} MiB; wrote {args.out} (use it with "
+          f"--calibration {args.out} or estimate.calibration: {args.out})")
     return 0
 
 
@@ -157,15 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["trace", "analytic", "measure"],
                    help="trace: one real step on fake tensors (default from config); analytic: closed form; "
                    "measure: real steps on the device present")
-    p.add_argument("--device", choices=["cuda", "cpu"], help="device the estimate models (default from config)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"],
+                   help="device the estimate models (default from config estimate.device)")
     p.add_argument("--budget", type=float, metavar="GIB", help="budget in GiB (default: config budget_gib)")
+    p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates: auto, "
+                   "a built-in GPU name, or a `tiersep calibrate` JSON (default from config)")
 
     p = add("fit", cmd_fit, "Derive a variant of a preset that fits a memory budget (segment, micro-batch "
             "with accumulation, checkpointing, bf16) and write it as a preset YAML.")
     add_preset(p)
     p.add_argument("--budget", type=float, required=True, metavar="GIB", help="budget in GiB")
-    p.add_argument("--device", choices=["cuda", "cpu"], help="device the estimate models (default from config)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"],
+                   help="device the estimate models (default from config estimate.device)")
+    p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates "
+                   "(default from config estimate.calibration)")
     p.add_argument("--out", required=True, help="output preset YAML")
+
+    p = add("calibrate", cmd_calibrate, "Measure this machine's GPU for the estimates: the CUDA context "
+            "after init, after cuBLAS and after a tiny training step, the cuBLAS workspace, the GPU's "
+            "name and memory, driver, torch and CUDA versions (a few seconds; needs a GPU).")
+    p.add_argument("--out", required=True, help="calibration JSON to write, e.g. calibration/my_gpu.json")
 
     p = add("train", cmd_train, "Train one preset in this process (refused before allocating anything "
             "when the estimate does not fit). Exit codes: 0 done, 3 refused, 4 out of memory, "

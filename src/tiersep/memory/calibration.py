@@ -116,7 +116,8 @@ def measure(progress=print) -> dict:
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("tiersep calibrate: no CUDA device is visible (it measures a GPU)")
+        raise ConfigError("no CUDA device is visible: calibrate measures a GPU; run it on the machine "
+                          "that trains, then pass the file with --calibration")
     others = other_processes_bytes()
 
     def outside() -> int:   # device use not in torch's reserved memory: the context
