@@ -1,7 +1,8 @@
 """The real `snakemake` on a tiny config, through every rule to the report (issue: pipeline spine).
 
-One workflow copy is run once (module-scoped) and then probed: contract files, a second run that
-does nothing, `snakemake report` rebuilding only the report, dry-run and lint."""
+One workflow copy is run once (module-scoped) and then probed: contract files, a tier the fit gate
+refuses shown as refused while the run finishes, a second run that does nothing, `snakemake report`
+rebuilding only the report, dry-run and lint."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import yaml
 from conftest import TINY_CONFIG, copy_workflow, run_snakemake
 
 pytestmark = pytest.mark.slow
-CONFIG = ["--configfile", "tests/configs/tiny.yaml"]
+CONFIG = ["--configfile", "tests/configs/tiny.yaml", "tests/configs/with_refused_tier.yaml"]
 RUN = ["--cores", "2", "--resources", "gpu=1", *CONFIG]
 
 
@@ -27,9 +28,11 @@ def finished(tmp_path_factory):
 
 
 def test_dry_run_lists_every_stage(workflow_copy):
+    """Training is a checkpoint: evaluate jobs are planned once each tier's outcome is known."""
     out = run_snakemake(workflow_copy, "-n", *RUN).stdout
-    for rule in ("prepare", "estimate", "train", "evaluate", "report"):
+    for rule in ("config", "prepare", "estimate", "report"):
         assert f"rule {rule}:" in out, rule
+    assert "checkpoint train:" in out and "involves checkpoint jobs" in out
 
 
 def test_lint_is_clean(workflow_copy):
@@ -55,7 +58,9 @@ def test_every_contract_file_is_produced(finished):
     for key in ("pid", "host", "start_free_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                 "wall_seconds", "steps", "versions"):
         assert key in run, key
-    assert (run_dir / "memory.csv").read_text().splitlines()[0] == "step,allocated,reserved,peak"
+    assert (run_dir / "memory.csv").read_text().splitlines()[0] == "step,allocated,reserved,peak,device"
+    assert json.loads((run_dir / "outcome.json").read_text())["status"] == "trained"
+    assert (finished / "results" / "config.yaml").is_file()   # the config rule's merged config
     scores = json.loads((res / "eval" / "test_tiny" / "scores.json").read_text())
     assert set(scores["per_stem"]) == {"vocals", "drums", "bass", "other"}
     html = (res / "report" / "index.html").read_text()
@@ -63,6 +68,31 @@ def test_every_contract_file_is_produced(finished):
     assert (res / "report" / "report.md").is_file()
     for folder in ("logs", "benchmarks"):
         assert any((finished / folder).rglob("*")), folder
+
+
+def test_a_refused_tier_is_an_outcome_not_a_crash(finished):
+    """test_gpu_sized is refused on this CPU: the run finished (the fixture), the tier was neither
+    trained nor evaluated, and the report shows it as refused with the reason."""
+    run_dir = finished / "results" / "train" / "test_gpu_sized"
+    outcome = json.loads((run_dir / "outcome.json").read_text())
+    assert outcome["status"] == "refused" and "is GPU-sized" in outcome["reason"]
+    assert json.loads((run_dir / "failure.json").read_text())["kind"] == "refused"
+    assert not (run_dir / "model.pt").exists()
+    assert not (finished / "results" / "eval" / "test_gpu_sized").exists()
+    html = (finished / "results" / "report" / "index.html").read_text()
+    section = html[html.index("test_gpu_sized"):]
+    assert "refused" in section.lower() and "GPU-sized" in html
+
+
+def test_on_oversize_fail_stops_the_run(workflow_copy):
+    """The strict choice: the refusal fails the train job (exit 3) and the run stops."""
+    target = "results/train/test_gpu_sized/outcome.json"
+    proc = run_snakemake(workflow_copy, target, "--cores", "2", "--resources", "gpu=1", *CONFIG,
+                         "--config", "on_oversize=fail", check=False)
+    assert proc.returncode != 0
+    log = (workflow_copy / "logs" / "train" / "test_gpu_sized.log").read_text()
+    assert "refused: preset test_gpu_sized is GPU-sized" in log
+    assert not (workflow_copy / "results" / "train" / "test_gpu_sized" / "outcome.json").exists()
 
 
 def test_second_run_does_nothing(finished):

@@ -10,8 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 from tiersep import config as C
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -33,7 +31,7 @@ def _parse_set(text: str) -> tuple[str, object]:
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {text!r}")
     key, value = text.split("=", 1)
-    return key, yaml.safe_load(value)
+    return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
 
 
 def resolve_preset(name: str, cfg: dict, sets: list[tuple[str, object]] | None = None) -> dict:
@@ -152,7 +150,8 @@ def cmd_train(args, cfg):
 
     preset = resolve_preset(args.preset, cfg, args.set)
     return train(cfg, preset, Path(args.data), Path(args.out), resume=args.resume,
-                 estimate_path=Path(args.estimate) if args.estimate else None, attempt=args.attempt)
+                 estimate_path=Path(args.estimate) if args.estimate else None, attempt=args.attempt,
+                 outcome_path=Path(args.outcome) if args.outcome else None)
 
 
 def cmd_evaluate(args, cfg):
@@ -160,6 +159,18 @@ def cmd_evaluate(args, cfg):
 
     preset = resolve_preset(args.preset, cfg, args.set)
     evaluate(cfg, preset, Path(args.model), Path(args.data), Path(args.out))
+    return 0
+
+
+def cmd_config(args, cfg):
+    """Write the merged config the workflow's jobs read (Snakemake's config, validated again)."""
+    import json
+
+    from tiersep.io import write_text
+
+    merged = C.validate(json.loads(args.merged), "config.schema.yaml", "the workflow's merged config")
+    C.check_config(merged)
+    write_text(args.out, C.dump_preset(merged))
     return 0
 
 
@@ -234,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimate", help="results/vram JSON to gate on (default: estimate now)")
     p.add_argument("--attempt", type=int, default=1, help="Snakemake attempt number; after an OOM, "
                    "attempt 2+ halves the micro-batch and doubles accumulation")
+    p.add_argument("--outcome", metavar="FILE", help="write the outcome (trained or refused) to FILE; a "
+                   "refusal then exits 0 unless the config's on_oversize is fail (the workflow's checkpoint)")
 
     p = add("evaluate", cmd_evaluate, "Separate every test track with a trained model (chunked "
             "overlap-add) and score it: SI-SDR and museval BSSEval v4 (SiSEC medians).")
@@ -241,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model.pt from `tiersep train`")
     p.add_argument("--data", required=True, help="prepared folder")
     p.add_argument("--out", required=True, help="output folder, e.g. results/eval/NAME")
+
+    p = sub.add_parser("config", help="Write the merged, validated config every job reads (a workflow rule).",
+                       description="Write the merged, validated config every job reads (a workflow rule).")
+    p.add_argument("--merged", required=True, metavar="JSON", help="the merged config as JSON")
+    p.add_argument("--out", required=True, help="YAML to write, e.g. results/config.yaml")
+    p.set_defaults(func=cmd_config, config=None)
 
     p = add("report", cmd_report, "Render the comparison report (index.html, report.md) from whatever "
             "results exist.")
@@ -252,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = C.load_config(args.config)
+        cfg = C.load_config(args.config) if args.config else None
         return args.func(args, cfg) or 0
     except C.ConfigError as err:
         print(f"tiersep {args.command}: error: {err}", file=sys.stderr)

@@ -1,5 +1,5 @@
-# Config access and input functions shared by the rules. The config was validated by the
-# Snakefile; tiersep.config resolves presets and writes the effective config that every job reads.
+# Config access and input functions shared by the rules. The config is validated here, once;
+# the `config` rule writes the merged result that every job reads.
 import json
 import os
 import sys
@@ -8,31 +8,30 @@ from pathlib import Path
 from tiersep import config as tiersep_config
 
 
-def _load_effective_config():
-    """Validate (one-line error naming file and key) and write the merged config jobs will use."""
+def _validated_config():
+    """The merged config, validated with defaults filled (one-line error naming file and key)."""
     given = [os.path.relpath(f) if os.path.abspath(f).startswith(os.getcwd()) else str(f)
              for f in workflow.overwrite_configfiles or []]  # name files as the user sees them
     files = ["config/config.yaml", *given]
+    # the files read again as tiersep reads them (YAML 1.2 numbers: 1e-4 is a float), then --config
+    config.update(tiersep_config.read_config_files(files, workflow.config_settings.config))
     try:
-        cfg = tiersep_config.validate_config(config, files)
+        return tiersep_config.validate_config(config, files)
     except tiersep_config.ConfigError as err:
         sys.exit(f"tiersep: invalid config: {err}")
-    path = Path(cfg["results_dir"]) / "config.yaml"
-    text = tiersep_config.dump_preset({k: v for k, v in cfg.items() if not k.startswith("_")})
-    if not path.is_file() or path.read_text() != text:  # keep mtime when unchanged
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return cfg, str(path)
 
 
 # Jobs call the `tiersep` of the environment snakemake runs in, even when it is not activated
 # (e.g. `.venv/bin/snakemake`); inside a container the image's own tiersep is found instead.
 shell.prefix(f'export PATH="{os.path.dirname(sys.executable)}:$PATH"; ')
 
-CFG, CONFIG_FILE = _load_effective_config()
+CFG = _validated_config()
 RESULTS = CFG["results_dir"]
 CONTAINER = CFG["container"]
-CONDA_ENV = "../../envs/tiersep.yaml"  # for --sdm conda; relative to workflow/rules/
+# Written by the `config` rule. An input of every job, marked ancient: a config change reruns only
+# the jobs whose own settings (their params) changed, not everything downstream of the file.
+CONFIG_FILE = f"{RESULTS}/config.yaml"
+MERGED_CONFIG = json.dumps({k: v for k, v in CFG.items() if not k.startswith("_")}, sort_keys=True)
 
 
 def _trials():
@@ -75,6 +74,36 @@ def data_for(wildcards):
 def estimate_of(path):
     with open(path) as fh:
         return json.load(fh)
+
+
+def train_outcome(preset):
+    """outcome.json of a tier's train checkpoint: trained, or refused by the fit gate. Until the
+    job has run this raises, and Snakemake plans the rest of the DAG again afterwards."""
+    with open(checkpoints.train.get(preset=preset).output.outcome) as fh:
+        return json.load(fh)
+
+
+def trained_model(wildcards):
+    train_outcome(wildcards.preset)
+    return f"{RESULTS}/train/{wildcards.preset}/model.pt"
+
+
+def host_mem_mb(wildcards, input, attempt):
+    """Host memory of a train job from its estimate: 1.25 x what the gate books + 2 GiB, at least
+    8 GB, times the attempt. On CPU the booking is the process's RSS; on a GPU host RAM >= the
+    device's use leaves room for checkpoints and pinned batches."""
+    booked = estimate_of(input.estimate).get("gate_required_bytes") or estimate_of(input.estimate)["peak_bytes"]
+    return attempt * max(8000, int(1.25 * booked / 2**20) + 2048)
+
+
+def report_inputs(wildcards):
+    """Per trained tier its train outcome, and its scores when it trained."""
+    files = []
+    for preset in TRAINED:
+        files.append(f"{RESULTS}/train/{preset}/outcome.json")
+        if train_outcome(preset)["status"] == "trained":
+            files.append(f"{RESULTS}/eval/{preset}/scores.json")
+    return files
 
 
 import tiersep.report as tiersep_report

@@ -1,10 +1,24 @@
+# The merged config every job reads (Snakemake's config after --configfile/--config, validated).
+rule config:
+    output:
+        CONFIG_FILE,
+    params:
+        merged=MERGED_CONFIG,
+    log:
+        "logs/config.log",
+    localrule: True
+    shell:
+        "tiersep config --merged {params.merged:q} --out {output} > {log} 2>&1"
+
+
 # Ingest + validate + resample once. One job per (source, rate); the folder is one output, so a
 # second run does no work. params carry the data settings, so changing them re-prepares.
 rule prepare:
+    input:
+        config=ancient(CONFIG_FILE),
     output:
         directory(f"{CFG['data']['prepared_dir']}/{CFG['data']['source']}/{{rate}}"),
     params:
-        config=CONFIG_FILE,
         data=CFG["data"],
     log:
         "logs/prepare/{rate}.log",
@@ -14,9 +28,5 @@ rule prepare:
     resources:
         mem_mb=4000,
         runtime=60,
-    container:
-        CONTAINER
-    conda:
-        CONDA_ENV
     shell:
-        "tiersep prepare --config {params.config} --out {output} --sample-rate {wildcards.rate} > {log} 2>&1"
+        "tiersep prepare --config {input.config} --out {output} --sample-rate {wildcards.rate} > {log} 2>&1"

@@ -1,11 +1,13 @@
-# Peak-VRAM estimate of every preset before anything trains; the train job gates on it.
+# Peak-memory estimate of every preset before anything trains; the train job gates on it. Each
+# trained tier is estimated for the device it trains on (estimate.device auto). No estimate job
+# touches CUDA: budget_gib auto is checked by the train job, on its GPU.
 rule estimate:
     input:
         preset=preset_file,
+        config=ancient(CONFIG_FILE),
     output:
         json=f"{RESULTS}/vram/{{preset}}.json",
     params:
-        config=CONFIG_FILE,
         estimate=CFG["estimate"],
         budget=CFG["budget_gib"],
     log:
@@ -16,9 +18,5 @@ rule estimate:
     resources:
         mem_mb=3000,
         runtime=15,
-    container:
-        CONTAINER
-    conda:
-        CONDA_ENV
     shell:
-        "tiersep estimate --config {params.config} --preset {wildcards.preset} --out {output.json} > {log} 2>&1"
+        "tiersep estimate --config {input.config} --preset {wildcards.preset} --out {output.json} > {log} 2>&1"

@@ -1,13 +1,14 @@
 # Separate every test track with a trained tier and score it (SI-SDR + museval SiSEC protocol).
+# Only tiers whose train outcome is "trained" get here (see report_inputs).
 rule evaluate:
     input:
-        model=f"{RESULTS}/train/{{preset}}/model.pt",
+        model=trained_model,
         data=data_for,
         preset=preset_file,
+        config=ancient(CONFIG_FILE),
     output:
         scores=f"{RESULTS}/eval/{{preset}}/scores.json",
     params:
-        config=CONFIG_FILE,
         outdir=lambda wildcards, output: os.path.dirname(output.scores),
         evaluate=CFG["evaluate"],
     log:
@@ -17,12 +18,8 @@ rule evaluate:
     threads: 2
     resources:
         gpu=1,
-        mem_mb=8000,
+        mem_mb=lambda wildcards, attempt: attempt * 8000,
         runtime=6 * 60,
-    container:
-        CONTAINER
-    conda:
-        CONDA_ENV
     shell:
-        "tiersep evaluate --config {params.config} --preset {wildcards.preset} --model {input.model}"
+        "tiersep evaluate --config {input.config} --preset {wildcards.preset} --model {input.model}"
         " --data {input.data} --out {params.outdir} > {log} 2>&1"

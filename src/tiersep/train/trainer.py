@@ -38,24 +38,38 @@ __all__ = ["train", "EXIT_OK", "EXIT_REFUSED", "EXIT_OOM", "EXIT_PREEMPTED", "IN
 
 
 def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, estimate_path=None,
-          attempt: int = 1) -> int:
-    """Train `preset` on the prepared folder `data_dir` into `out_dir`; returns the exit code."""
+          attempt: int = 1, outcome_path=None) -> int:
+    """Train `preset` on the prepared folder `data_dir` into `out_dir`; returns the exit code.
+
+    With `outcome_path` (the workflow's train checkpoint), the outcome is written there at the end:
+    trained, or refused by the gate; a refusal is then a finished outcome (exit 0) unless
+    on_oversize is fail. Without it a refusal exits 3."""
     wall_start = time.time()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_run(cfg, preset, out_dir, resume, estimate_path, attempt)
     if plan.refusal is not None:
+        for stale in ("model.pt", "run.json"):   # an earlier success must not look current
+            (out_dir / stale).unlink(missing_ok=True)
         record.write_failure(out_dir, "refused", plan.refusal, preset=preset["name"], device=plan.device.type,
                              attempt=attempt, attempted_allocation_bytes=None,
                              estimate_peak_bytes=(plan.estimate or {}).get("peak_bytes"))
         print(f"tiersep train: refused: {plan.refusal}", file=sys.stderr)
-        return EXIT_REFUSED
+        if outcome_path is None or cfg["on_oversize"] == "fail":
+            return EXIT_REFUSED
+        write_json(outcome_path, {"preset": preset["name"], "status": "refused", "reason": plan.refusal})
+        print(f"tiersep train: recorded the refusal in {outcome_path} (on_oversize: {cfg['on_oversize']}; "
+              "`fail` stops the run instead)", file=sys.stderr)
+        return EXIT_OK
     (out_dir / "failure.json").unlink(missing_ok=True)
     if plan.not_resumed:
         print(f"tiersep train: {plan.not_resumed}; starting from scratch", file=sys.stderr)
     if plan.resume is None:
         _clear_finished_outputs(out_dir)
-    return Training(plan, data_dir, out_dir, wall_start).run()
+    code = Training(plan, data_dir, out_dir, wall_start).run()
+    if code == EXIT_OK and outcome_path is not None:
+        write_json(outcome_path, {"preset": preset["name"], "status": "trained", "run": str(out_dir / "run.json")})
+    return code
 
 
 def _clear_finished_outputs(out_dir: Path) -> None:
