@@ -2,7 +2,11 @@
 augmentation bounds, silence rejection, validation segments."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +14,8 @@ import soundfile as sf
 import torch
 
 from data_helpers import make_cfg
-from tiersep.data.dataset import MAX_DRAWS, SegmentDataset, make_loader, rms_db, validation_segments
+from tiersep.data.dataset import (MAX_DRAWS, SegmentDataset, dead_worker, make_loader, rms_db,
+                                  validation_segments)
 from tiersep.data.errors import DataError
 from tiersep.data.prepare import prepare
 from tiersep.data.tracks import load_manifest, read_stem, read_track, track_names
@@ -148,3 +153,79 @@ def test_validation_segments_fixed_and_unaugmented(data_dir):
              if np.array_equal(whole_mixture[:, o:o + SEGMENT], mix[0].numpy())]
     assert found, "segment 0 is a slice of the valid track"
     assert min(rms_db(s.numpy()) for s in stems[0]) > -60
+
+
+def _worker_pids(parent_pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(parent_pid).children()]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> bool:
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_workers_ignore_stop_signals_from_others_and_stop_when_closed(data_dir):
+    """SIGTERM/SIGINT/SIGUSR1 sent by another process (as Snakemake's or SLURM's signal to the
+    whole process group is) leave the workers running; closing the loader ends them."""
+    ds = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=5, augment=AUGMENT)
+    loader = make_loader(ds, 2, 2, start_step=0)
+    assert next(loader)[0] == 0
+    workers = _worker_pids(os.getpid())
+    assert len(workers) == 2
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        # `kill` is another process: the sender is not the workers' parent
+        subprocess.run(["kill", f"-{sig.name[3:]}", *map(str, workers)], check=True)
+    time.sleep(0.5)
+    assert [next(loader)[0] for _ in range(6)] == [1, 2, 3, 4, 5, 6]
+    assert _worker_pids(os.getpid()) == workers
+    loader.close()
+    assert _wait_gone(workers, timeout=10), "workers still running after the loader was closed"
+
+
+def test_a_worker_killed_for_real_is_reported_with_pid_and_signal(data_dir):
+    ds = SegmentDataset(data_dir, "train", SOURCES, SEGMENT, seed=5, augment=AUGMENT)
+    loader = make_loader(ds, 2, 2, start_step=0)
+    next(loader)
+    victim = _worker_pids(os.getpid())[0]
+    os.kill(victim, signal.SIGKILL)  # what the kernel's OOM killer sends
+    with pytest.raises(RuntimeError) as caught:
+        for _ in range(50):
+            next(loader)
+            time.sleep(0.05)
+    found = dead_worker(caught.value)
+    assert found is not None and victim in found["pids"] and found["signal"] == "SIGKILL", (found, caught.value)
+    loader.close()
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("DataLoader worker (pid 123) is killed by signal: Killed. ",
+     {"pids": [123], "signal": "SIGKILL", "exit_code": None}),
+    ("DataLoader worker (pid 9) is killed by signal: Segmentation fault. ",
+     {"pids": [9], "signal": "SIGSEGV", "exit_code": None}),
+    ("DataLoader worker (pid(s) 77, 78) exited unexpectedly",
+     {"pids": [77, 78], "signal": None, "exit_code": None}),
+    ("DataLoader worker (pid 5) exited unexpectedly with exit code 1. Details are lost due to multiprocessing.",
+     {"pids": [5], "signal": None, "exit_code": 1}),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", None),
+])
+def test_dead_worker_reads_torch_messages(message, expected):
+    assert dead_worker(message) == expected
+    assert dead_worker(RuntimeError(message)) == expected
+
+
+def test_dead_worker_follows_the_cause_for_the_signal():
+    try:
+        try:
+            raise RuntimeError("DataLoader worker (pid 41) is killed by signal: Killed. ")
+        except RuntimeError as inner:
+            raise RuntimeError("DataLoader worker (pid(s) 41) exited unexpectedly") from inner
+    except RuntimeError as outer:
+        assert dead_worker(outer) == {"pids": [41], "signal": "SIGKILL", "exit_code": None}

@@ -15,7 +15,12 @@ and the mixture is the sum of the augmented stems.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import re
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -125,21 +130,107 @@ class _Steps(torch.utils.data.Sampler):
         return iter(range(self.start, self.stop)) if self.stop is not None else itertools.count(self.start)
 
 
+# ---------------------------------------------------------------------------------------------
+# Worker processes and signals
+# ---------------------------------------------------------------------------------------------
+# Snakemake and SLURM stop a job with SIGTERM to its whole process group (Ctrl-C sends SIGINT to the
+# foreground group; SLURM's --signal may send SIGUSR1). The main process turns these into "checkpoint
+# and exit 75"; a worker that died of them first would make the main process fail instead
+# ("DataLoader worker (pid N) is killed by signal: Terminated"). So workers ignore them, except a
+# SIGTERM sent by their own main process: that is how torch's DataLoader ends a worker that does not
+# stop by itself (and how multiprocessing ends daemonic children at exit).
+WORKER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """worker_init_fn: leave shutdown to the main process (see WORKER_IGNORED_SIGNALS).
+
+    The signals stay blocked in every thread of the worker (they were blocked when it was forked,
+    see make_loader; blocked again here for start methods that do not fork); one thread takes them
+    with sigwaitinfo, which tells who sent each: a SIGTERM from the parent ends the worker at once,
+    as torch's own worker handler does, anything else is dropped."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
+    parent = os.getppid()
+
+    def take_signals() -> None:
+        while True:
+            info = signal.sigwaitinfo(WORKER_IGNORED_SIGNALS)
+            if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=take_signals, name="tiersep-worker-signals", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Block the stop signals in this thread while worker processes are forked, so none can arrive
+    in a worker before ignore_stop_signals runs there; a signal sent meanwhile to the main process
+    stays pending and is delivered to its handler when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _owning(batches: Iterator) -> Iterator:
+    """A generator holding the only reference to torch's loader iterator: closing it (the trainer
+    does, when its loop ends) drops that iterator, which shuts its workers down right away."""
+    yield from batches
+
+
+# torch's messages for a worker that died: "DataLoader worker (pid 123) is killed by signal: Killed. ",
+# "DataLoader worker (pid(s) 123, 456) exited unexpectedly", "... exited unexpectedly with exit code 1".
+_DEAD_WORKER = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: ([^.]+)\."
+                          r"|exited unexpectedly(?: with exit code (-?\d+))?)")
+_SIGNAL_BY_DESCRIPTION = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+
+
+def dead_worker(err: BaseException | str) -> dict | None:
+    """The DataLoader worker that died under this error: {"pids": [...], "signal": "SIGKILL" or None,
+    "exit_code": int or None}, or None when the error is not about a dead worker. Follows the
+    exception's causes: torch raises "exited unexpectedly" from the error that names the signal."""
+    messages, seen = [], set()
+    while isinstance(err, BaseException) and id(err) not in seen:
+        seen.add(id(err))
+        messages.append(str(err))
+        err = err.__cause__ or err.__context__
+    if isinstance(err, str):
+        messages.append(err)
+    found = None
+    for message in messages:
+        for match in _DEAD_WORKER.finditer(message):
+            pids = [int(p) for p in re.findall(r"\d+", match.group(1))]
+            if found is None:
+                found = {"pids": pids, "signal": None, "exit_code": None}
+            found["pids"] += [p for p in pids if p not in found["pids"]]
+            if match.group(2):
+                description = match.group(2).strip()
+                found["signal"] = found["signal"] or _SIGNAL_BY_DESCRIPTION.get(description, description)
+            if match.group(3):
+                found["exit_code"] = int(match.group(3))
+    return found
+
+
 def make_loader(dataset: SegmentDataset, batch_size: int, num_workers: int, start_step: int = 0,
                 stop_step: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (step, mixture[B, C, S], stems[B, n_src, C, S]) for start_step, start_step + 1, ...
     (up to stop_step, exclusive, or forever), in order; the same content whatever num_workers is.
-    Workers (processes) prefetch the next batches while the caller trains."""
+    Workers (processes) prefetch the next batches while the caller trains; they ignore SIGTERM,
+    SIGINT and SIGUSR1 (ignore_stop_signals). Close the returned generator to stop them."""
     if num_workers <= 0:
         steps = range(start_step, stop_step) if stop_step is not None else itertools.count(start_step)
         return ((step, *dataset.batch(step, batch_size)) for step in steps)
     loader = torch.utils.data.DataLoader(
         _StepBatches(dataset, batch_size), batch_size=None, sampler=_Steps(start_step, stop_step),
         num_workers=num_workers, prefetch_factor=2, persistent_workers=False,
+        worker_init_fn=ignore_stop_signals,
         # its own generator: creating the loader must not consume the global torch RNG (the
         # trainer's dropout draws would differ between a fresh and a resumed run)
         generator=torch.Generator().manual_seed(dataset.seed))
-    return iter(loader)
+    with _stop_signals_blocked():
+        batches = iter(loader)  # forks the workers
+    return _owning(batches)
 
 
 def validation_segments(prepared_dir, sources, segment_samples: int, count: int, seed: int,
