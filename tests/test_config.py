@@ -88,5 +88,93 @@ def test_set_field_and_budget():
     preset = C.load_preset("cpu_tiny", {"presets_dir": str(REPO / "config" / "presets")})
     changed = C.set_field(preset, "train.lr", 0.1)
     assert changed["train"]["lr"] == 0.1 and preset["train"]["lr"] != 0.1
-    assert C.budget_bytes({"budget_gib": 24}) == 24 * 2**30
-    assert C.budget_bytes({"budget_gib": 1}, override_gib=2.5) == int(2.5 * 2**30)
+    assert C.configured_budget_bytes({"budget_gib": 24}) == 24 * 2**30
+    assert C.configured_budget_bytes({"budget_gib": 1}, override_gib=2.5) == int(2.5 * 2**30)
+    # auto is the free memory of the train job's own GPU, read there: nothing to say before
+    assert C.configured_budget_bytes({"budget_gib": "auto"}) is None
+    assert C.configured_budget_bytes({"budget_gib": "auto"}, override_gib=3) == 3 * 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML 1.2 numbers: PyYAML (YAML 1.1) reads 1e-4 without a dot as a string
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, value", [("1e-4", 1e-4), ("5E-4", 5e-4), ("1.0e-3", 1e-3), (".5", 0.5),
+                                         ("-2e+3", -2000.0), ("4e-3", 4e-3), ("1e5", 1e5)])
+def test_yaml_reads_exponent_floats(text, value):
+    loaded = C.load_yaml(f"x: {text}")["x"]
+    assert isinstance(loaded, float) and loaded == value
+
+
+@pytest.mark.parametrize("text, value", [("3", 3), ("0x10", 16), ("true", True), ("null", None),
+                                         ("'1e-4'", "1e-4"), ("a1e5", "a1e5"), ("1.5", 1.5), ("auto", "auto")])
+def test_yaml_keeps_other_scalars(text, value):
+    loaded = C.load_yaml(f"x: {text}")["x"]
+    assert loaded == value and type(loaded) is type(value)
+
+
+def test_exponent_lr_in_a_preset(tmp_path):
+    text = (REPO / "config" / "presets" / "cpu_tiny.yaml").read_text().replace("lr: 5.0e-3", "lr: 4e-3")
+    assert "lr: 4e-3" in text
+    (tmp_path / "mine.yaml").write_text(text)
+    assert C.load_preset(str(tmp_path / "mine.yaml"))["train"]["lr"] == 4e-3
+
+
+def test_exponent_lr_through_set():
+    from tiersep import cli
+
+    args = cli.build_parser().parse_args(["estimate", "--preset", "cpu_tiny", "--out", "x.json",
+                                          "--set", "train.lr=4e-3", "--set", "train.weight_decay=1E-2"])
+    cfg = {"presets_dir": str(REPO / "config" / "presets")}
+    preset = cli.resolve_preset("cpu_tiny", cfg, args.set)
+    assert preset["train"]["lr"] == 4e-3 and preset["train"]["weight_decay"] == 0.01
+
+
+SWEEP_CONFIG = """\
+presets_dir: {presets}
+tiers: [cpu_tiny]
+estimate_tiers: []
+budget_gib: 2e1
+sweep:
+  presets: [cpu_tiny]
+  grid: {{train.lr: [1e-4, 5E-4]}}
+"""
+
+
+def test_exponent_values_in_a_sweep_grid(tmp_path):
+    from tiersep.train.sweep import expand_trials, resolve_trial
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SWEEP_CONFIG.format(presets=REPO / "config" / "presets"))
+    cfg = C.load_config(path)
+    assert cfg["budget_gib"] == 20.0
+    assert list(expand_trials(cfg)) == ["cpu_tiny--lr1e-4", "cpu_tiny--lr5e-4"]
+    assert resolve_trial("cpu_tiny--lr5e-4", cfg)["train"]["lr"] == 5e-4
+
+
+def test_snakemake_reads_config_files_as_tiersep_does(tmp_path):
+    """Snakemake's own loader reads 1e-4 as a string; the workflow reads its config files again
+    through tiersep (read_config_files), so the files and --config give what tiersep gives."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("budget_gib: 1e1\nsweep: {presets: [cpu_tiny], grid: {train.lr: [1e-3]}}\n")
+    second.write_text("sweep: {presets: [cpu_tiny], grid: {train.lr: [1e-4, 2e-4]}}\n")
+    assert yaml.load(second.read_text(), Loader=yaml.FullLoader)["sweep"]["grid"]["train.lr"] == ["1e-4", "2e-4"]
+    merged = C.read_config_files([tmp_path / "missing.yaml", first, second], {"tiers": ["cpu_tiny"]})
+    assert merged == {"budget_gib": 10.0, "tiers": ["cpu_tiny"],
+                      "sweep": {"presets": ["cpu_tiny"], "grid": {"train.lr": [1e-4, 2e-4]}}}
+
+
+@pytest.mark.slow  # one real snakemake dry run (its start-up imports tiersep and torch)
+def test_snakemake_sweep_grid_with_exponent_values(tmp_path):
+    """`snakemake -n --configfile` with 1e-4 values in a sweep grid plans every trial (its estimate
+    job; the train jobs follow the train checkpoint)."""
+    from conftest import copy_workflow, run_snakemake
+
+    wf = copy_workflow(tmp_path / "wf")
+    cfg = yaml.safe_load((REPO / "tests" / "configs" / "tiny.yaml").read_text())
+    cfg.pop("budget_gib")
+    text = yaml.safe_dump({**cfg, "estimate_tiers": []}) + (
+        "budget_gib: 2e1\nsweep: {presets: [test_tiny], grid: {train.lr: [1e-4, 5E-4]}}\n")
+    (wf / "sweep.yaml").write_text(text)
+    out = run_snakemake(wf, "-n", "--cores", "1", "--configfile", "sweep.yaml").stdout
+    for trial in ("test_tiny--lr1e-4", "test_tiny--lr5e-4"):
+        assert f"results/vram/{trial}.json" in out, out[-3000:]

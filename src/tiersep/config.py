@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,32 @@ def _schema_path(name: str) -> Path:
     raise FileNotFoundError(f"schema {name} not found in {', '.join(map(str, SCHEMA_DIRS))}")
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: 1e-4, 5E-4, .5 and -2e+3 are numbers.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (1.0e-4), so `lr: 4e-3` or
+    `--set train.lr=4e-3` were read as the string '4e-3'. Integers, booleans and null keep their
+    meaning; a quoted '1e-4' stays a string.
+    """
+
+
+# The YAML 1.2 core schema's float (https://yaml.org/spec/1.2.2/#1023-core-schema), tried after
+# PyYAML's own int and float patterns, so what those read is unchanged.
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str):
+    """Parse YAML text the way every tiersep input is read (configs, presets, --set, schemas)."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_schema(name: str) -> dict:
-    return yaml.safe_load(_schema_path(name).read_text())
+    return load_yaml(_schema_path(name).read_text())
+
+
 
 
 def _with_defaults(validator_class):
@@ -92,7 +117,7 @@ def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
 
 def _read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return load_yaml(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except yaml.YAMLError as err:
@@ -109,6 +134,17 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     cfg["_source"] = str(path)
     check_config(cfg)
     return cfg
+
+
+def read_config_files(files: list[str | Path], overrides: dict | None = None) -> dict:
+    """The config Snakemake merges from `files` (later files win, key by key) and the --config
+    `overrides`, with every file read by tiersep's YAML rules: Snakemake reads files as YAML 1.1,
+    where `lr: 1e-4` in a sweep grid would be the string '1e-4'. Missing files are skipped."""
+    merged: dict = {}
+    for file in files:
+        if Path(file).is_file():
+            merged = deep_merge(merged, _read_yaml(Path(file)) or {})
+    return deep_merge(merged, dict(overrides or {}))
 
 
 def validate_config(cfg: dict, files: list[str | Path]) -> dict:
@@ -223,19 +259,19 @@ def preset_hash(preset: dict) -> str:
     return hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def budget_bytes(cfg: dict, override_gib: float | None = None) -> int | None:
-    """The fit-gate budget in bytes: a number of GiB, or auto = free memory of the visible GPU."""
+def configured_budget_bytes(cfg: dict, override_gib: float | None = None) -> int | None:
+    """The configured fit-gate budget in bytes (budget_gib, or override_gib), or None for auto.
+
+    auto means the free memory of the GPU a train job runs on, read by that job right before its
+    gate (train/plan.py): a prepare, estimate, fit or report job must not open a CUDA context to
+    find it, as that takes about 0.5-1 GiB from a training job running beside it."""
     value = override_gib if override_gib is not None else cfg["budget_gib"]
     if value == "auto":
-        try:
-            import torch
-            if torch.cuda.is_available():
-                free, _total = torch.cuda.mem_get_info()
-                return int(free)
-        except Exception:  # no driver, no device: no budget
-            pass
         return None
     return int(float(value) * 2**30)
+
+
+budget_bytes = configured_budget_bytes  # the name train/plan.py and report/collect.py call
 
 
 def dump_preset(preset: dict) -> str:
