@@ -68,16 +68,18 @@ def load_model(model_path: Path, preset: dict) -> tuple[torch.nn.Module, int | N
     """Build the preset's model and load model.pt ({"model": state_dict, "preset", "step"})."""
     from tiersep.model import build_model
 
+    from tiersep.train.checkpoint import load_model_file
+
     model_path = Path(model_path)
-    if not model_path.is_file():
-        raise ConfigError(f"{model_path}: model file not found")
-    checkpoint = torch.load(model_path, map_location="cpu", weights_only=True)
-    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
-        raise ConfigError(f"{model_path}: not a tiersep model.pt (expected a dict with key 'model')")
+    checkpoint = load_model_file(model_path)  # one-line CheckpointError when missing or damaged
     if isinstance(checkpoint.get("preset"), dict):
         check_same_architecture(preset, checkpoint["preset"], model_path)
     model = build_model(preset)
-    model.load_state_dict(checkpoint["model"])
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as err:  # missing/unexpected keys or shapes: not this preset's weights
+        raise ConfigError(f"{model_path}: its weights do not fit preset {preset['name']!r} "
+                          f"({str(err).strip().splitlines()[0]})") from None
     return model, checkpoint.get("step")
 
 

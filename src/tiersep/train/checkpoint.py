@@ -5,20 +5,33 @@ is also the data loader's position: batches are a pure function of (seed, step))
 validation score so far, and every random state a step consumes (torch CPU and CUDA, numpy, python)
 - dropout draws from torch's global generator, so restoring it makes the resumed steps identical.
 Files are written atomically (temp file + rename): a kill during a save leaves the previous one.
+Each new last.pt keeps the one before it as last.prev.pt, so a last.pt damaged after it was written
+(a full disk, a copy cut short) costs one checkpoint interval, not the run: see
+load_resume_checkpoint.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tiersep.config import ConfigError
 from tiersep.io import atomic_path, torch_save
 
 CHECKPOINT_DIR = "checkpoints"
+# What every checkpoint written by save_checkpoint holds.
+REQUIRED_KEYS = ("model", "optimizer", "schedule", "step", "best", "rng", "preset", "run")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint or model file that cannot be read; the message is one line naming the file."""
 
 
 def rng_state() -> dict:
@@ -56,7 +69,9 @@ def seed_everything(seed: int) -> None:
 
 def save_checkpoint(path: Path, *, model, optimizer, schedule, step: int, best: dict, preset: dict,
                     run: dict) -> None:
-    """Write one resumable checkpoint atomically. `run` carries bookkeeping (attempt, elapsed...)."""
+    """Write one resumable checkpoint atomically. `run` carries bookkeeping (attempt, elapsed...).
+    The checkpoint it replaces is kept as <name>.prev.pt (see keep_previous)."""
+    keep_previous(Path(path))
     torch_save({
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -69,10 +84,94 @@ def save_checkpoint(path: Path, *, model, optimizer, schedule, step: int, best: 
     }, path)
 
 
+def previous_path(path: Path) -> Path:
+    """checkpoints/last.pt -> checkpoints/last.prev.pt"""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def keep_previous(path: Path) -> None:
+    """Before `path` is replaced: make <name>.prev.pt the checkpoint now at `path`, atomically (a
+    hard link, renamed into place), so that at every moment both names hold a whole checkpoint.
+    A file at `path` that is not a whole zip archive (torch.save's format) is not kept; with none
+    at `path`, an older .prev.pt is removed: it would not be the checkpoint before the next one."""
+    path, previous = Path(path), previous_path(path)
+    if not path.is_file():
+        previous.unlink(missing_ok=True)
+        return
+    if not zipfile.is_zipfile(path):
+        return
+    with atomic_path(previous) as tmp:
+        tmp.unlink()
+        try:
+            os.link(path, tmp)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(path, tmp)
+
+
 def load_checkpoint(path: Path) -> dict:
-    # weights_only=False: the checkpoint holds numpy/python RNG states (plain tuples and arrays
-    # written by this module), not only tensors.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A checkpoint written by save_checkpoint; CheckpointError (one line naming the file) when it
+    is missing, truncated, corrupt or not a tiersep checkpoint."""
+    path = Path(path)
+    state = _torch_load(path, what="checkpoint")
+    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: not a tiersep checkpoint (missing {', '.join(missing)})")
+    return state
+
+
+def _torch_load(path: Path, what: str, weights_only: bool = False):
+    """torch.load on the CPU, with every way a damaged file fails turned into one line."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} not found")
+    try:
+        # weights_only=False for checkpoints: they hold numpy/python RNG states (plain tuples and
+        # arrays written by this module), not only tensors.
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, KeyError, OSError,
+            AttributeError, ImportError, IndexError, TypeError, zipfile.BadZipFile) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        size = path.stat().st_size
+        raise CheckpointError(f"{path}: unreadable {what} ({size} bytes: {type(err).__name__}: "
+                              f"{reason[:200]}); it is truncated or corrupt") from None
+
+
+def load_model_file(path: Path) -> dict:
+    """model.pt as tiersep train exports it ({"model": state_dict, "preset", "step"}), read with
+    weights_only=True (no code runs from the file); CheckpointError naming the file otherwise."""
+    path = Path(path)
+    state = _torch_load(path, what="model file", weights_only=True)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path}: not a tiersep model.pt (expected a dict with key 'model')")
+    return state
+
+
+def load_resume_checkpoint(out_dir: Path) -> tuple[dict | None, str | None]:
+    """The checkpoint a resumed run continues from: (state, warning).
+
+    - last.pt readable: (its state, None); no last.pt: (None, None), nothing to resume;
+    - last.pt unreadable, last.prev.pt readable: the previous checkpoint replaces last.pt, and
+      (its state, a warning saying which steps are redone);
+    - both unreadable: (None, a warning): the run starts over.
+    A damaged last.pt is kept aside as last.corrupt.pt for inspection.
+    """
+    last, previous = last_path(out_dir), previous_path(last_path(out_dir))
+    if not last.is_file():
+        return None, None
+    try:
+        return load_checkpoint(last), None
+    except CheckpointError as err:
+        damage = str(err)
+    corrupt = last.with_name(f"{last.stem}.corrupt{last.suffix}")
+    os.replace(last, corrupt)
+    try:
+        state = load_checkpoint(previous)
+    except CheckpointError as err:
+        return None, (f"{damage} (kept as {corrupt.name}); the previous checkpoint is not usable either "
+                      f"({str(err).split(': ', 1)[-1]})")
+    copy_checkpoint(previous, last)  # last.pt is what the trainer reads and extends from now on
+    return state, (f"{damage} (kept as {corrupt.name}); resumed from the previous checkpoint "
+                   f"{previous.name} at step {state['step']}, so the steps after it run again")
 
 
 def restore(state: dict, *, model, optimizer, schedule) -> None:

