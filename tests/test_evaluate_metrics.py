@@ -118,7 +118,89 @@ def test_track_median_equals_museval_evalstore_aggregation():
     ours = metrics.track_median(sdr)
     for i, name in enumerate(["a", "b"]):
         assert ours[i] == theirs[("t", name, "SDR")]  # exactly: same quantisation, same median
+        assert ours[i] == sisec_median(sdr[i])          # and the SiSEC rule written out independently
     assert np.isnan(metrics.track_median(np.full((1, 3), np.nan))).all()  # every frame NaN -> NaN
+
+
+def sisec_median(frames) -> float:
+    """The SiSEC per-track rule by hand: each frame rounded half-even to 1e-5, inf dropped like NaN,
+    median of what is left (NaN when nothing is)."""
+    from decimal import Decimal
+
+    kept = [float(Decimal(v).quantize(Decimal(".00001"))) for v in frames if np.isfinite(v)]
+    return float(np.median(kept)) if kept else float("nan")
+
+
+# --- aggregation of a tier's tracks (tiersep.evaluate.scoring, museval's EvalStore) --------------
+def scored_tracks(seconds=(4.0, 3.0)):
+    """Two real museval-scored tracks (2 mono sources); the first has its first reference second
+    silent in source 0, so museval marks that frame NaN for every source."""
+    from tiersep.evaluate.scoring import TrackTask, score_track
+
+    results, whole_track = [], {}
+    for seed, length in enumerate(seconds):
+        ests, refs = make_sources(seconds=length, seed=20 + seed)
+        if seed == 0:
+            refs[0, :, :RATE] = 0
+        mixture = refs.sum(axis=0)
+        results.append(score_track(TrackTask(f"t{seed}", ests, refs, mixture, ["a", "b"], RATE)))
+        whole_track[f"t{seed}"] = {s: {"si_sdr": metrics.si_sdr(ests[i], refs[i]),
+                                       "si_sdr_mixture": metrics.si_sdr(mixture, refs[i])}
+                                   for i, s in enumerate(["a", "b"])}
+    return results, whole_track
+
+
+def test_aggregate_scores_counts_valid_frames_and_takes_the_sisec_medians():
+    from tiersep.evaluate.scoring import aggregate_scores
+
+    results, whole_track = scored_tracks()
+    scores = aggregate_scores(results, whole_track, ["a", "b"])
+    first, second = scores["per_track"]["t0"], scores["per_track"]["t1"]
+    assert [first[s]["frames"] for s in "ab"] == [4, 4] and [second[s]["frames"] for s in "ab"] == [3, 3]
+    assert [first[s]["valid_frames"] for s in "ab"] == [3, 3]   # the silent second is dropped for both
+    assert [second[s]["valid_frames"] for s in "ab"] == [3, 3]
+    for name, result in zip(("t0", "t1"), results):
+        frames = json_frames(result["museval_json"])
+        for i, stem in enumerate("ab"):
+            entry = scores["per_track"][name][stem]
+            assert entry["sdr"] == sisec_median(frames[stem]["SDR"])
+            assert entry["sar"] == sisec_median(frames[stem]["SAR"])
+            assert entry["sdr_mixture"] == sisec_median(result["sdr_mixture_frames"][i])
+            assert entry["si_sdr"] == whole_track[name][stem]["si_sdr"]   # whole-track value, not rounded
+    for stem in "ab":  # per stem: median over the tracks (of two values: their mean)
+        for key in ("sdr", "si_sdr", "sdr_mixture"):
+            expected = np.median([scores["per_track"][t][stem][key] for t in ("t0", "t1")])
+            assert scores["per_stem"][stem][key] == pytest.approx(expected, abs=1e-12)
+        assert scores["per_stem"][stem]["sdr_improvement"] == pytest.approx(
+            scores["per_stem"][stem]["sdr"] - scores["per_stem"][stem]["sdr_mixture"])
+    assert scores["overall"]["sdr"] == pytest.approx(np.mean([scores["per_stem"][s]["sdr"] for s in "ab"]))
+
+
+def json_frames(museval_json: str) -> dict:
+    """{target: {metric: [frame values]}} from museval's TrackStore JSON (NaN where stored NaN)."""
+    import simplejson
+
+    data = simplejson.loads(museval_json, allow_nan=True)
+    return {t["name"]: {m: [float(f["metrics"][m]) for f in t["frames"]] for m in ("SDR", "SIR", "ISR", "SAR")}
+            for t in data["targets"]}
+
+
+def test_aggregate_scores_skips_a_track_museval_refused():
+    from tiersep.evaluate.scoring import TrackTask, aggregate_scores, score_track
+
+    results, whole_track = scored_tracks()
+    ests, refs = make_sources(seconds=2.0, seed=30)
+    refs[1] = 0                                     # a wholly silent stem: museval refuses the track
+    refused = score_track(TrackTask("t2", ests, refs, refs.sum(axis=0), ["a", "b"], RATE))
+    assert refused["museval_json"] is None and "museval refused" in refused["error"]
+    whole_track["t2"] = {s: {"si_sdr": metrics.si_sdr(ests[i], refs[i]), "si_sdr_mixture": float("nan")}
+                         for i, s in enumerate("ab")}
+    scores = aggregate_scores(results + [refused], whole_track, ["a", "b"])
+    entry = scores["per_track"]["t2"]["a"]
+    assert entry["frames"] == 2 and entry["valid_frames"] == 0 and np.isnan(entry["sdr"])
+    assert np.isfinite(entry["si_sdr"])             # SI-SDR is per stem: stem a is still scored
+    both = aggregate_scores(results, {k: v for k, v in whole_track.items() if k != "t2"}, ["a", "b"])
+    assert scores["per_stem"]["a"]["sdr"] == both["per_stem"]["a"]["sdr"]  # the median skipped t2
 
 
 # --- SI-SDR against torchmetrics -----------------------------------------------------------
@@ -163,6 +245,8 @@ def test_si_sdr_length_mismatch_pads_or_crops_like_museval():
 
 # --- torch variants ------------------------------------------------------------------------
 def test_torch_variants_match_numpy_batched():
+    # si_sdr/fast_sdr wrap the torch functions (checked against torchmetrics and museval above);
+    # here: a batch gives each item's own value, NaN stays per item.
     ests, refs = make_sources(n=3, channels=2, seconds=0.5, seed=11)
     batch_est = torch.from_numpy(np.stack([ests, ests * 0.5]))   # [2, 3, C, S]
     batch_ref = torch.from_numpy(np.stack([refs, refs]))

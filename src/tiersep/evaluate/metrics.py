@@ -1,4 +1,4 @@
-"""Separation metrics: SI-SDR and the SiSEC SDR (museval BSSEval v4), numpy and batched torch.
+"""Separation metrics: SI-SDR and the SiSEC SDR (museval BSSEval v4).
 
 Signals are laid out [C, S] (channels, samples), sources [n, C, S]. All sums run in float64.
 
@@ -10,17 +10,17 @@ Signals are laid out [C, S] (channels, samples), sources [n, C, S]. All sums run
   exactly 10 log10(sum r^2 / sum (e - r)^2) over both channels; the filters only shape SIR/ISR/SAR.
   `framewise_sdr` reproduces museval.evaluate's SDR matrix (framing, silent frames -> NaN,
   perfect frames -> inf, estimates padded/cropped to the reference length) without the filters.
-- SiSEC aggregation: museval stores each frame value quantised to 1e-5 with inf stored as NaN,
-  takes the median over a track's frames skipping NaN, then the median over tracks skipping NaN.
+- SiSEC aggregation is museval's own (tiersep.evaluate.scoring: TrackStore quantisation, EvalStore
+  medians); `museval_quantize` and `track_median` here are thin wrappers of that one path.
 
-Undefined cases follow museval: a silent reference or estimate (every sample's channel sum is 0,
-museval's own test) gives NaN, which the medians skip. torch is imported lazily so that the
-museval scoring processes stay light.
+One implementation of each whole-signal metric: the batched torch functions (`si_sdr_torch`,
+`sdr_torch`), which training validation runs on its device; `si_sdr` and `fast_sdr` wrap them for
+numpy arrays. `framewise_sdr` stays numpy: it runs in the museval worker processes, which never load
+torch. Undefined cases follow museval: a silent reference or estimate (every sample's channel sum is
+0, museval's own test) gives NaN, which the medians skip.
 """
 from __future__ import annotations
 
-import warnings
-from decimal import Decimal
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,12 +28,9 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-# museval.aggregate.TrackStore._q quantises every stored frame value to this step.
-MUSEVAL_QUANTUM = Decimal(".00001")
-
 
 # ---------------------------------------------------------------------------------------------
-# numpy (evaluation)
+# numpy: museval framing (the museval workers never load torch) and wrappers of the torch metrics
 # ---------------------------------------------------------------------------------------------
 def match_length(estimate: np.ndarray, length: int) -> np.ndarray:
     """Zero-pad or crop the last axis to `length`, as museval.pad_or_truncate does to estimates."""
@@ -61,35 +58,25 @@ def _db(num: float, den: float) -> float:
 
 
 def si_sdr(estimate: np.ndarray, reference: np.ndarray) -> float:
-    """SI-SDR in dB of one estimate [C, S] against its reference [C, S], channels as one signal.
+    """SI-SDR in dB of one estimate [C, S] against its reference [C, S] (`si_sdr_torch`).
 
     The estimate is padded/cropped to the reference length first. NaN when the reference or the
     estimate is silent (undefined: alpha is 0/0 or the target is 0).
     """
-    reference = np.asarray(reference, dtype=np.float64)
-    estimate = match_length(np.asarray(estimate, dtype=np.float64), reference.shape[-1])
-    if is_silent(reference) or is_silent(estimate):
-        return float("nan")
-    reference = reference - reference.mean(axis=-1, keepdims=True)
-    estimate = estimate - estimate.mean(axis=-1, keepdims=True)
-    eps = np.finfo(np.float64).eps  # the terms torchmetrics adds, so both agree to rounding
-    alpha = (np.sum(estimate * reference) + eps) / (np.sum(reference**2) + eps)
-    target = alpha * reference
-    noise = target - estimate
-    return float(10 * np.log10((np.sum(target**2) + eps) / (np.sum(noise**2) + eps)))
+    import torch
+
+    return float(si_sdr_torch(torch.as_tensor(np.asarray(estimate)), torch.as_tensor(np.asarray(reference))))
 
 
 def fast_sdr(estimate: np.ndarray, reference: np.ndarray) -> float:
-    """museval v4 SDR formula over the whole given signal [C, S]: 10 log10(sum r^2 / sum (e-r)^2).
+    """museval v4 SDR formula over the whole given signal [C, S] (`sdr_torch`).
 
     Equals museval's SDR for one frame spanning the signal. NaN when either signal is silent
     (museval's test), +inf for a perfect estimate.
     """
-    reference = np.asarray(reference, dtype=np.float64)
-    estimate = match_length(np.asarray(estimate, dtype=np.float64), reference.shape[-1])
-    if is_silent(reference) or is_silent(estimate):
-        return float("nan")
-    return _db(np.sum(reference**2), np.sum((estimate - reference) ** 2))
+    import torch
+
+    return float(sdr_torch(torch.as_tensor(np.asarray(estimate)), torch.as_tensor(np.asarray(reference))))
 
 
 def frame_slices(length: int, win: int, hop: int) -> list[slice]:
@@ -127,28 +114,31 @@ def framewise_sdr(estimates: np.ndarray, references: np.ndarray, win: int, hop: 
 
 
 def museval_quantize(values) -> np.ndarray:
-    """What museval stores for frame values: rounded to 1e-5 (Decimal, half-even), inf -> NaN."""
-    flat = np.asarray(values, dtype=np.float64)
-    out = np.empty(flat.shape)
-    for index, value in np.ndenumerate(flat):
-        out[index] = np.nan if not np.isfinite(value) else float(Decimal(value).quantize(MUSEVAL_QUANTUM))
-    return out
+    """Frame values [frames] as museval stores them (TrackStore: 1e-5 steps, inf -> NaN)."""
+    from tiersep.evaluate.scoring import stored_frames
 
-
-def nanmedian(values, axis=None):
-    """Median skipping NaN; NaN (without a warning) when nothing is left, as pandas' median."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmedian(np.asarray(values, dtype=np.float64), axis=axis)
+    flat = np.asarray(values, dtype=np.float64).ravel()
+    table = stored_frames("track", {"target": flat})
+    return table.sort_values("time")["score"].to_numpy(dtype=np.float64).reshape(np.shape(values))
 
 
 def track_median(frame_values) -> np.ndarray:
-    """SiSEC per-track score: median over the last axis (frames) of the museval-stored values."""
-    return nanmedian(museval_quantize(frame_values), axis=-1)
+    """SiSEC per-track score of frame values [..., frames]: museval's EvalStore median over the
+    stored frames, skipping NaN (NaN when no frame is valid)."""
+    import museval
+
+    from tiersep.evaluate.scoring import stored_frames
+
+    values = np.asarray(frame_values, dtype=np.float64)
+    rows = values.reshape(-1, values.shape[-1])
+    store = museval.EvalStore(frames_agg="median")
+    store.add_track(stored_frames("track", {str(i): row for i, row in enumerate(rows)}))
+    medians = store.agg_frames_scores()
+    return np.array([medians[("track", str(i), "SDR")] for i in range(len(rows))]).reshape(values.shape[:-1])
 
 
 # ---------------------------------------------------------------------------------------------
-# torch (validation during training): batched over leading axes, signals [..., C, S]
+# torch: batched over leading axes, signals [..., C, S] (training validation, and `si_sdr`/`fast_sdr`)
 # ---------------------------------------------------------------------------------------------
 def _match_length_torch(estimate: "torch.Tensor", length: int) -> "torch.Tensor":
     import torch.nn.functional as F

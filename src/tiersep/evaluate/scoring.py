@@ -1,9 +1,14 @@
-"""museval scoring of separated tracks, serial or in a pool of processes.
+"""museval scoring of separated tracks, serial or in a pool of processes, and their aggregation.
 
 museval costs about 1 s of CPU per second of audio (a 4096 x 4096 solve per track for 4 stereo
 stems plus FFT projections), so tracks are scored in parallel processes. This module imports only
 numpy and museval (no torch) to keep each worker small; workers are spawned (never forked from a
 process running torch threads) with single-threaded BLAS so that N workers use N cores.
+
+Aggregation has one path, museval's own: every per-frame value is stored as museval's TrackStore
+stores it (quantised to 1e-5, inf as NaN) and museval's EvalStore takes the median over a track's
+frames, then over tracks, skipping NaN. The mixture baseline and the whole-track SI-SDR go through
+the same EvalStore as extra metrics, so every median in scores.json is computed the same way.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import os
 import sys
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -158,3 +164,92 @@ def score_tracks(tasks: Iterable[TrackTask], workers: int,
             pending[pool.submit(score_track, task)] = index
         collect(block_until_below=1)
     return [results[i] for i in sorted(results)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation (museval's EvalStore) and the scores.json record
+# ---------------------------------------------------------------------------------------------
+# scores.json key -> metric name in museval's long table (the last three are ours, same medians)
+METRIC_NAMES = {"si_sdr": "SI-SDR", "sdr": "SDR", "sir": "SIR", "isr": "ISR", "sar": "SAR",
+                "si_sdr_mixture": "SI-SDR_MIXTURE", "sdr_mixture": "SDR_MIXTURE"}
+
+
+def stored_frames(track: str, frames: dict[str, np.ndarray], metric: str = "SDR"):
+    """museval's long table (track, target, metric, time, score) of one metric's per-frame values
+    {target: [frames]}, stored as museval's TrackStore stores them (1e-5 steps, inf as NaN)."""
+    import museval
+
+    store = museval.TrackStore(track_name=track, win=1.0, hop=1.0)
+    for target, values in frames.items():
+        values = np.asarray(values, dtype=np.float64).tolist()
+        nothing = [math.nan] * len(values)
+        store.add_target(target_name=target, values={"SDR": values, "SIR": nothing, "ISR": nothing,
+                                                     "SAR": nothing})
+    table = store.df
+    return table[table.metric == "SDR"].assign(metric=metric)
+
+
+def _whole_track_rows(track: str, whole_track: dict[str, dict], sources: list[str]):
+    """SI-SDR over the whole track as one 'frame' per stem (not quantised: it is not a museval
+    metric), so its median over tracks is the EvalStore's too."""
+    import pandas as pd
+
+    return pd.DataFrame([{"time": 0.0, "target": source, "metric": METRIC_NAMES[key], "score": value,
+                          "track": track}
+                         for source in sources for key, value in whole_track[source].items()])
+
+
+def aggregate_scores(results: list[dict], whole_track: dict[str, dict], sources: list[str]) -> dict:
+    """per_track, per_stem and overall scores of a tier's test tracks.
+
+    results: score_track() outputs in track order; whole_track: {track: {stem: {"si_sdr",
+    "si_sdr_mixture"}}} (dB, NaN when undefined). Per track and stem: the median over valid frames
+    (`frames` counts all 1 s frames, `valid_frames` those whose SDR is a number: museval marks a
+    frame NaN when any reference or estimate is silent in it). Per stem: the median over tracks;
+    overall: the mean over stems of the per-stem medians (undefined if any stem is), as papers
+    report "avg". NaN means undefined (written as null)."""
+    import museval
+    import pandas as pd
+    import simplejson
+
+    tables, frame_counts = [], {}
+    for result in results:
+        name, mixture_sdr = result["name"], result["sdr_mixture_frames"]      # [n, frames]
+        frame_counts[name] = mixture_sdr.shape[1]
+        if result["museval_json"] is not None:
+            tables.append(museval.aggregate.json2df(simplejson.loads(result["museval_json"], allow_nan=True),
+                                                    name))
+        tables.append(stored_frames(name, dict(zip(sources, mixture_sdr)), METRIC_NAMES["sdr_mixture"]))
+        tables.append(_whole_track_rows(name, whole_track[name], sources))
+    store = museval.EvalStore(frames_agg="median", tracks_agg="median")
+    store.add_track(pd.concat(tables, ignore_index=True))
+    by_track = store.agg_frames_scores()               # (track, target, metric) -> median
+    by_stem = store.agg_frames_tracks_scores()         # (target, metric) -> median of the above
+    sdr = store.df[store.df.metric == "SDR"]
+    valid = sdr.groupby(["track", "target"])["score"].count()   # count() skips NaN
+
+    per_track = {}
+    for result in results:
+        name = result["name"]
+        per_track[name] = {
+            source: {**{key: float(by_track.get((name, source, metric), math.nan))
+                        for key, metric in METRIC_NAMES.items()},
+                     "frames": int(frame_counts[name]), "valid_frames": int(valid.get((name, source), 0))}
+            for source in sources}
+    per_stem = {}
+    for source in sources:
+        stem = {key: float(by_stem.get((source, metric), math.nan)) for key, metric in METRIC_NAMES.items()}
+        stem["si_sdr_improvement"] = stem["si_sdr"] - stem["si_sdr_mixture"]
+        stem["sdr_improvement"] = stem["sdr"] - stem["sdr_mixture"]
+        per_stem[source] = stem
+    overall = {key: float(np.mean([per_stem[s][key] for s in sources])) for key in per_stem[sources[0]]}
+    return {"per_track": per_track, "per_stem": per_stem, "overall": overall}
+
+
+def write_scores(path: str | Path, scores: dict) -> None:
+    """Write scores.json atomically once it follows workflow/schemas/records/scores.schema.yaml."""
+    from tiersep.io import write_json
+    from tiersep.records import validate_record
+
+    validate_record("scores", scores, path)
+    write_json(path, scores)
