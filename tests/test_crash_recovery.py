@@ -139,3 +139,64 @@ def test_evaluate_with_a_damaged_model_file_is_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[0].startswith(f"tiersep evaluate: error: {model}: unreadable model file (")
     assert not (tmp_path / "eval").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer over a damaged last.pt (real `tiersep train --resume` processes)
+# ---------------------------------------------------------------------------------------------
+RESUME_SETS = ["--set", "train.steps=12", "--set", "train.checkpoint_every=3", "--set", "train.validate_every=4"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 12-step run (checkpoints at 3, 6, 9, 12) and its exported weights."""
+    from test_train_support import cli_train, make_workspace
+
+    ws = make_workspace(tmp_path_factory.mktemp("resume_ws"))
+    out = ws["root"] / "reference"
+    assert cli_train(ws, out, *RESUME_SETS).wait(timeout=600) == 0
+    return ws, out, torch.load(out / "model.pt", weights_only=False)["model"]
+
+
+def rerun_damaged(trained, tmp_path, damage_previous: bool) -> tuple[Path, dict, str]:
+    """Copy the finished run, truncate its last.pt (and last.prev.pt), resume it to the end."""
+    import shutil
+
+    from test_train_support import cli_train
+
+    ws, reference, _ = trained
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "model.pt").unlink()
+    (out / "run.json").unlink()
+    last = ckpt.last_path(out)
+    truncate(last)
+    if damage_previous:
+        truncate(ckpt.previous_path(last))
+    assert cli_train(ws, out, *RESUME_SETS, "--resume").wait(timeout=600) == 0, \
+        Path(str(out) + ".log").read_text()[-3000:]
+    return out, json.loads((out / "run.json").read_text()), Path(str(out) + ".log").read_text()
+
+
+def assert_same_weights(out: Path, expected: dict) -> None:
+    got = torch.load(out / "model.pt", weights_only=False)["model"]
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow  # real training processes
+def test_resume_over_a_truncated_last_continues_from_the_previous(trained, tmp_path):
+    out, run, log = rerun_damaged(trained, tmp_path, damage_previous=False)
+    assert run["resumed_from"] == 9 and run["steps"] == 12
+    assert "unreadable checkpoint" in run["resume_warning"] and "last.prev.pt at step 9" in run["resume_warning"]
+    assert "tiersep train: warning: " in log and "Traceback" not in log
+    assert ckpt.last_path(out).with_name("last.corrupt.pt").is_file()
+    assert_same_weights(out, trained[2])
+
+
+@pytest.mark.slow  # real training processes
+def test_resume_with_no_readable_checkpoint_starts_over_with_a_warning(trained, tmp_path):
+    out, run, log = rerun_damaged(trained, tmp_path, damage_previous=True)
+    assert run["resumed_from"] is None and run["steps"] == 12
+    assert "the previous checkpoint is not usable either" in run["resume_warning"]
+    assert "; starting from scratch" in log and "Traceback" not in log
+    assert_same_weights(out, trained[2])

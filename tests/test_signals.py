@@ -188,3 +188,19 @@ def check_resumed(where: str, out: Path, checkpoint_step: int | None, proc: subp
         assert got.keys() == expected.keys()
         for key in expected:
             assert torch.equal(got[key], expected[key]), (where, name, key)
+
+
+def test_a_worker_killed_for_real_is_an_error_naming_it(ws, tmp_path):
+    """A worker that really dies (SIGKILL, as the kernel's OOM killer sends) is not a preemption:
+    the trainer fails, and failure.json (kind error) names the worker and its signal."""
+    out = tmp_path / "killed_worker"
+    proc = start(ws, out, "--set", "train.steps=100000")
+    wait_for(proc, lambda: len(metrics_rows(out)) >= 2)
+    victim = psutil.Process(proc.pid).children()[0].pid
+    os.kill(victim, signal.SIGKILL)
+    rc = proc.wait(timeout=120)
+    log = Path(str(out) + ".log").read_text()
+    assert rc not in (0, EXIT_PREEMPTED), log[-3000:]
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["kind"] == "error", failure
+    assert failure["worker_signal"]["signal"] == "SIGKILL" and victim in failure["worker_signal"]["pids"], failure

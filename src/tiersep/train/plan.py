@@ -42,6 +42,7 @@ class RunPlan:
     estimate: dict | None = None    # the estimate the gate passed
     resume: dict | None = None      # checkpoint state to continue from
     not_resumed: str | None = None  # why --resume starts from scratch
+    resume_warning: str | None = None  # a damaged last.pt: resumed from the previous one, or started over
     downshifted_from: dict | None = None
     adapted: dict | None = None     # {"reason", "changes"} when on_oversize: adapt changed the preset
     recovered_from: dict | None = None   # the OOM failure this attempt recovers from
@@ -106,7 +107,8 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     preset = copy.deepcopy(preset)
     failure_path = out_dir / "failure.json"
     previous_failure = read_json(failure_path) if failure_path.is_file() else None
-    state, not_resumed = resume_state(out_dir, preset, resume)
+    resume_warnings: list[str] = []
+    state, not_resumed = resume_state(out_dir, preset, resume, resume_warnings)
 
     batch, accum, downshifted_from = plan_micro_batch(
         preset, attempt, previous_failure, state["run"] if state else None)
@@ -121,7 +123,8 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     device = choose_device(preset)
     probe = MemoryProbe(device)
     plan = RunPlan(preset, device, probe, attempt, allocator, probe.start_free_bytes(), probe.process_bytes(),
-                   resume=state, not_resumed=not_resumed, downshifted_from=downshifted_from,
+                   resume=state, not_resumed=not_resumed, resume_warning="; ".join(resume_warnings) or None,
+                   downshifted_from=downshifted_from,
                    memory_fraction=apply_memory_fraction(device))
     if previous_failure and previous_failure.get("kind") == "oom":
         plan.recovered_from = previous_failure   # only an OOM is "recovered from" by this run

@@ -71,6 +71,7 @@ def run_record(run, weights_step: int) -> dict:
         "effective_batch": t["batch_size"] * t["grad_accum"], "lr": t["lr"], "seed": t["seed"],
         "attempt": plan.attempt, "downshifted_from": plan.downshifted_from,
         "recovered_from": plan.recovered_from, "resumed_from": run.resumed_from,
+        "resume_warning": plan.resume_warning,
         "best": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in run.best.items()},
         "exported": {"weights": t["export"], "step": int(weights_step)},
         "versions": versions(), "torch_threads": torch.get_num_threads(),

@@ -1,6 +1,7 @@
 """Resuming a run: which checkpoint continues it, and whether it was written for the same preset."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from tiersep.train import checkpoint as ckpt
@@ -14,15 +15,24 @@ RESUMABLE_DIFFERENCES = {("name",), ("description",), ("train", "batch_size"), (
                          ("train", "cuda_expandable_segments")}
 
 
-def resume_state(out_dir: Path, preset: dict, resume: bool) -> tuple[dict | None, str | None]:
+def resume_state(out_dir: Path, preset: dict, resume: bool,
+                 warnings: list[str] | None = None) -> tuple[dict | None, str | None]:
     """(the checkpoint to continue from, None), or (None, why not) when --resume finds no
-    checkpoint written for this same preset. The caller says why once the preset is final."""
+    checkpoint written for this same preset. The caller says why once the preset is final.
+
+    A damaged last.pt (checkpoint.load_resume_checkpoint): the previous checkpoint continues the
+    run (said here), or the run starts over (the warning is the reason); either way the warning
+    is appended to `warnings`, for run.json's resume_warning."""
     last = ckpt.last_path(out_dir)
     if not resume:
         return None, None
-    if not last.is_file():
-        return None, f"no checkpoint at {last}"
-    state = ckpt.load_checkpoint(last)
+    state, warning = ckpt.load_resume_checkpoint(out_dir)
+    if warning and warnings is not None:
+        warnings.append(warning)
+    if state is None:
+        return None, warning or f"no checkpoint at {last}"
+    if warning:
+        print(f"tiersep train: warning: {warning}", file=sys.stderr)
     differ = preset_differences(state["preset"], preset)
     if differ:
         return None, (f"{last} was written for a different {preset['name']} preset (differs in "

@@ -147,10 +147,14 @@ class Training:
             except Exception as err:  # noqa: BLE001 - every failure is recorded, then re-raised or mapped
                 if is_oom(err):
                     return self._out_of_memory(err)
+                from tiersep.data.dataset import dead_worker
+
                 record.write_failure(self.out_dir, "error", f"{type(err).__name__}: {err}",
                                      preset=self.preset["name"], step=self.step, attempt=self.plan.attempt,
                                      attempted_allocation_bytes=None,
-                                     estimate_peak_bytes=(self.plan.estimate or {}).get("peak_bytes"))
+                                     estimate_peak_bytes=(self.plan.estimate or {}).get("peak_bytes"),
+                                     # a DataLoader worker that died (OOM killer, segfault): {pids, signal, exit_code}
+                                     worker_signal=dead_worker(err))
                 raise
             finally:
                 for log in (self.metrics, self.memory):
