@@ -1,9 +1,10 @@
 """Gather whatever results exist into one record per tier, plus the facts of the run.
 
 Nothing here assumes a stage finished: every file is optional, and a tier with missing or failed
-results is still a row (status says why). Reading is tolerant of extra fields (other stages may add
-some) but a file that exists and cannot be parsed is an error naming it: a corrupt result should
-not silently disappear from the report.
+results is still a row (status says why). Every JSON record is checked against its schema
+(tiersep.records: extra fields are fine); a file that exists but cannot be read or breaks its schema
+is left out and becomes a problem of its tier, shown on the page as a failure naming the file and
+the field: a corrupt result neither disappears silently nor stops the report.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiersep import config as C
+from tiersep.records import RecordError, read_record
 
 # Order of the estimate breakdown everywhere (tables, plots).
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
@@ -29,7 +31,7 @@ def device_type(device: str | None) -> str | None:
 
 
 class ReportInputError(ValueError):
-    """A results file that exists but cannot be read; the message names the file."""
+    """A results CSV that exists but cannot be read; the message names the file."""
 
 
 @dataclass
@@ -45,14 +47,16 @@ class Tier:
     metrics: list[dict] = field(default_factory=list)  # metrics.csv rows, numbers or None
     memory: list[dict] = field(default_factory=list)  # memory.csv rows
     scores: dict | None = None  # results/eval/<name>/scores.json
-    has_model: bool = False
+    problems: list[str] = field(default_factory=list)  # records that could not be read, one line each
 
     # ---- derived views the tables and plots share -------------------------------------------
     @property
     def status(self) -> str:
-        """One of: failed, refused, trained, evaluated, incomplete, estimate, missing."""
+        """One of: failed, refused, invalid, trained, evaluated, incomplete, estimate, missing."""
         if self.failure is not None:
             return "refused" if self.failure.get("kind") == "refused" else "failed"
+        if self.problems or self.preset_error:
+            return "invalid"
         if self.scores is not None:
             return "evaluated"
         if self.run is not None:
@@ -67,11 +71,13 @@ class Tier:
     def status_text(self) -> str:
         if self.failure is not None:
             kind = self.failure.get("kind", "error")
-            label = {"oom": "failed: out of memory", "refused": "refused by the fit gate",
+            label = {"oom": "failed: out of memory", "refused": "refused before training",
                      "error": "failed: error"}.get(kind, f"failed: {kind}")
             attempt = self.failure.get("attempt")
             return f"{label} (attempt {attempt})" if attempt and attempt > 1 else label
         status = self.status
+        if status == "invalid":
+            return "preset does not load" if self.preset_error else "invalid record"
         if status == "evaluated":
             text = "trained and evaluated"
         elif status == "trained":
@@ -109,16 +115,6 @@ class Tier:
                 return str(record["device_type"])
         return device_type(self.measured_device)
 
-    @property
-    def estimate_device_type(self) -> str | None:
-        return device_type((self.estimate or {}).get("device"))
-
-    @property
-    def devices_match(self) -> bool:
-        """Estimate and measurement comparable: both made for the same kind of device."""
-        return (self.estimate_device_type is not None
-                and self.estimate_device_type == self.measured_device_type)
-
     def _run_or_max(self, key: str, rows: list[dict], pick) -> float | None:
         """run.json's `key` when the run finished; else the largest `pick(row)` logged so far."""
         if self.run and self.run.get(key) is not None:
@@ -127,32 +123,29 @@ class Tier:
         return max(values) if values else None
 
     @property
-    def peak_allocated(self) -> float | None:
-        """Measured peak (CUDA: max_memory_allocated; CPU: peak RSS), from run.json or memory.csv."""
-        return self._run_or_max("peak_allocated_bytes", self.memory,
-                                lambda row: row.get("peak") or row.get("allocated"))
-
-    @property
-    def peak_reserved(self) -> float | None:
-        return self._run_or_max("peak_reserved_bytes", self.memory, lambda row: row.get("reserved"))
-
-    @property
     def estimated_peak(self) -> float | None:
+        """The estimate record's peak_bytes (results/vram/<name>.json)."""
         if self.estimate and self.estimate.get("peak_bytes") is not None:
             return float(self.estimate["peak_bytes"])
         return None
 
-    def relative_error(self, measured: float | None) -> float | None:
-        """(estimate - measured) / measured, only where both exist and the devices match."""
-        if not self.devices_match or measured in (None, 0) or self.estimated_peak is None:
-            return None
-        return (self.estimated_peak - measured) / measured
+    def overall(self, key: str) -> float | None:
+        """A test score, mean of stems (None when not evaluated or not a finite number)."""
+        value = ((self.scores or {}).get("overall") or {}).get(key)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
     @property
     def overall_si_sdr(self) -> float | None:
-        """Test SI-SDR, mean of stems (None when not evaluated or not a finite number)."""
-        value = ((self.scores or {}).get("overall") or {}).get("si_sdr")
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+        return self.overall("si_sdr")
+
+    @property
+    def frames(self) -> tuple[int, int] | None:
+        """(valid, total) museval frames over every test track and stem, from scores.json."""
+        entries = [entry for stems in ((self.scores or {}).get("per_track") or {}).values()
+                   for entry in stems.values()]
+        if not entries or any("frames" not in e for e in entries):
+            return None
+        return sum(e["valid_frames"] for e in entries), sum(e["frames"] for e in entries)
 
     @property
     def steps(self) -> int | None:
@@ -220,16 +213,16 @@ class Collected:
 
 
 # ---- readers ---------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ReportInputError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ReportInputError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
+def _reader(problems: list[str]):
+    """read(kind, path) -> the validated record, or None (absent, or unreadable: then the one-line
+    reason is added to `problems`)."""
+    def read(kind: str, path: Path) -> dict | None:
+        try:
+            return read_record(kind, path)
+        except RecordError as err:
+            problems.append(str(err))
+            return None
+    return read
 
 
 def _number(text: str | None) -> float | None:
@@ -303,18 +296,26 @@ def tier_names(cfg: dict, results_dir: Path) -> list[tuple[str, str]]:
 
 def collect_tier(name: str, kind: str, cfg: dict, results_dir: Path) -> Tier:
     train_dir = results_dir / "train" / name
-    run = _read_json(train_dir / "run.json")
+    problems: list[str] = []
+    read = _reader(problems)
+    run = read("run", train_dir / "run.json")
     preset, preset_error = _preset_for(name, kind, cfg, run)
     recovered = (run or {}).get("recovered_from")
+    logs = {}
+    for log in ("metrics", "memory"):
+        try:
+            logs[log] = read_csv(train_dir / f"{log}.csv")
+        except ReportInputError as err:
+            problems.append(str(err))
+            logs[log] = []
     # The trainer removes failure.json when an attempt starts training, so one that is present
     # describes the last attempt; an OOM that a retry got past is recorded in run.json instead.
     return Tier(name=name, kind=kind, preset=preset, preset_error=preset_error,
-                estimate=_read_json(results_dir / "vram" / f"{name}.json"), run=run,
-                failure=_read_json(train_dir / "failure.json"),
+                estimate=read("estimate", results_dir / "vram" / f"{name}.json"), run=run,
+                failure=read("failure", train_dir / "failure.json"),
                 earlier_failure=recovered if isinstance(recovered, dict) else None,
-                metrics=read_csv(train_dir / "metrics.csv"), memory=read_csv(train_dir / "memory.csv"),
-                scores=_read_json(results_dir / "eval" / name / "scores.json"),
-                has_model=(train_dir / "model.pt").is_file())
+                metrics=logs["metrics"], memory=logs["memory"],
+                scores=read("scores", results_dir / "eval" / name / "scores.json"), problems=problems)
 
 
 # ---- run facts ---------------------------------------------------------------------------------
@@ -347,8 +348,8 @@ def manifest_summary(path: Path, manifest: dict) -> dict:
     for key in ("source", "sample_rate", "channels", "root", "created", "version"):
         if manifest.get(key) is not None:
             summary[key] = manifest[key]
-    if isinstance(manifest.get("sources"), list):
-        summary["stems"] = ", ".join(map(str, manifest["sources"]))
+    if isinstance(manifest.get("stems"), list):  # prepare writes the files of a track, mixture first
+        summary["stems"] = ", ".join(str(s) for s in manifest["stems"] if s != "mixture")
     rate = manifest.get("sample_rate")
     counts: dict[str, int] = {}
     seconds: dict[str, float] = {}
@@ -383,12 +384,14 @@ def manifest_summary(path: Path, manifest: dict) -> dict:
     return summary
 
 
-def dataset_manifests(cfg: dict) -> list[dict]:
-    """Summaries of <prepared_dir>/<source>/<rate>/manifest.json for every rate prepared."""
+def dataset_manifests(cfg: dict, problems: list[str]) -> list[dict]:
+    """Summaries of <prepared_dir>/<source>/<rate>/manifest.json for every rate prepared; a
+    manifest that breaks its schema is a problem instead."""
     base = Path(cfg["data"]["prepared_dir"]) / cfg["data"]["source"]
+    read = _reader(problems)
     out = []
     for path in sorted(base.glob("*/manifest.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
-        manifest = _read_json(path)
+        manifest = read("manifest", path)
         if manifest is not None:
             out.append(manifest_summary(path, manifest))
     return out
@@ -410,6 +413,7 @@ def run_facts(cfg: dict, results_dir: Path, tiers: list[Tier]) -> dict:
                         "host": record.get("host"), "pid": record.get("pid"),
                         "slurm_job_id": record.get("slurm_job_id"),
                         "start_free_bytes": record.get("start_free_bytes")})
+    problems: list[str] = []
     return {
         "config_hash": config_hash(cfg),
         "config_source": cfg.get("_source"),
@@ -420,7 +424,8 @@ def run_facts(cfg: dict, results_dir: Path, tiers: list[Tier]) -> dict:
         "estimate_settings": cfg.get("estimate", {}),
         "versions": versions,
         "devices": devices,
-        "datasets": dataset_manifests(cfg),
+        "datasets": dataset_manifests(cfg, problems),
+        "problems": problems,  # records outside any tier (manifests) that could not be read
     }
 
 

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from tiersep.report import memory
 from tiersep.report.collect import BREAKDOWN_KEYS, Tier
 from tiersep.report.units import format_bytes
 
@@ -74,26 +75,33 @@ def _bytes_axis(axis, values: list[float]) -> None:
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bytes(v, digits=0)))
 
 
+def _memory_pair(tier: Tier) -> tuple[float | None, float | None, bool]:
+    """(estimate, measurement, comparable) of the tier's headline quantity: CUDA device use, CPU
+    process RSS (the gate's booking vs the peak RSS); the estimate record's peak where the tier did
+    not train, or trained on another device than any estimate was made for."""
+    comparison = memory.headline(tier)
+    if comparison is not None:
+        return comparison.estimated, comparison.measured, True
+    return tier.estimated_peak, memory.measured_peak(tier)[0], tier.run is None
+
+
 def plot_memory(tiers: list[Tier], budget: float | None) -> bytes:
     title = "Estimated vs measured peak memory"
-    shown = [t for t in tiers if t.estimated_peak or t.peak_allocated or t.failure]
+    pairs = {t.name: _memory_pair(t) for t in tiers}
+    shown = [t for t in tiers if pairs[t.name][0] or pairs[t.name][1] or t.failure]
     if not shown:
         return _empty(title, "No estimate and no measurement yet.")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(7.0, 0.8 * len(shown) + 1.5), 4.6))
     x = np.arange(len(shown))
-    width = 0.27
+    width = 0.36
     values: list[float] = []
     for i, tier in enumerate(shown):
-        other_device = not tier.devices_match  # measured on another device than estimated for
-        hatch = "//" if other_device else None
-        bars = [(-width, tier.estimated_peak, "#4e79a7", None),
-                (0.0, tier.peak_allocated, "#f28e2b", hatch),
-                (width, tier.peak_reserved, "#ffbe7d", hatch)]
-        for offset, value, color, bar_hatch in bars:
+        estimated, measured, comparable = pairs[tier.name]
+        hatch = None if comparable else "//"  # measured on another device than estimated for
+        for offset, value, color in ((-width / 2, estimated, "#4e79a7"), (width / 2, measured, "#f28e2b")):
             if value:
-                ax.bar(x[i] + offset, value, width, color=color, hatch=bar_hatch, edgecolor="#444444",
-                       linewidth=0.5)
+                ax.bar(x[i] + offset, value, width, color=color, hatch=hatch, edgecolor="#444444", linewidth=0.5)
                 values.append(value)
         failed = tier.failure
         if failed and failed.get("attempted_allocation_bytes"):
@@ -102,7 +110,7 @@ def plot_memory(tiers: list[Tier], budget: float | None) -> bytes:
             values.append(attempted)
         label = {"refused": "refused", "failed": "failed"}.get(tier.status)
         if label:
-            top = max([v for v in (tier.estimated_peak, tier.peak_allocated) if v] or [1.0])
+            top = max([v for v in (estimated, measured) if v] or [1.0])
             ax.annotate(label, (x[i], top), xytext=(0, 4), textcoords="offset points", ha="center",
                         fontsize=8, color="#e15759", fontweight="bold")
     if budget:
@@ -110,20 +118,15 @@ def plot_memory(tiers: list[Tier], budget: float | None) -> bytes:
         values.append(budget)
     ax.set_yscale("log")
     _bytes_axis(ax.yaxis, values)
-    labels = []
-    for tier in shown:
-        device = tier.measured_device_type
-        est = tier.estimate_device_type
-        labels.append(f"{tier.name}\nest. {est or '-'} / meas. {device or '-'}")
+    labels = [f"{t.name}\n{t.measured_device_type or 'not run'}" for t in shown]
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
-    from matplotlib.patches import Patch
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#4e79a7", label="estimated peak"),
-                       Patch(color="#f28e2b", label="measured peak allocated (CPU: RSS)"),
-                       Patch(color="#ffbe7d", label="measured peak reserved (CPU: RSS)"),
+    ax.legend(handles=[Patch(color="#4e79a7", label="estimate (CUDA: device use; CPU: gate's booking)"),
+                       Patch(color="#f28e2b", label="measured (CUDA: device use; CPU: peak RSS)"),
                        Patch(facecolor="white", edgecolor="#444444", hatch="//",
-                             label="measured on another device than estimated"),
+                             label="no estimate for the device it trained on"),
                        Line2D([], [], color="#e15759", marker="x", linestyle="", mew=2,
                               label="allocation that failed (OOM)")]
               + ([Line2D([], [], color="#e15759", linestyle="--", linewidth=1,
@@ -172,15 +175,16 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 def plot_quality(tiers: list[Tier], colors: dict[str, str]) -> bytes:
     title = "Quality vs peak memory (Pareto view: up and left is better)"
-    shown = [t for t in tiers if t.overall_si_sdr is not None and (t.peak_allocated or t.estimated_peak)]
+    peaks = {t.name: memory.measured_peak(t)[0] for t in tiers}
+    shown = [t for t in tiers if t.overall_si_sdr is not None and (peaks[t.name] or t.estimated_peak)]
     if not shown:
         return _empty(title, "No evaluated tier yet.")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.6))
     points = []
     for tier in shown:
-        measured = tier.peak_allocated is not None
-        x = tier.peak_allocated if measured else tier.estimated_peak
+        measured = peaks[tier.name] is not None
+        x = peaks[tier.name] if measured else tier.estimated_peak
         y = tier.overall_si_sdr
         points.append((x, y))
         marker = ("s" if tier.measured_device_type == "cpu" else "o") if measured else "D"
@@ -201,7 +205,7 @@ def plot_quality(tiers: list[Tier], colors: dict[str, str]) -> bytes:
     ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], marker="o", linestyle="", color="#555555", label="measured on CUDA (allocated)"),
+    handles = [Line2D([], [], marker="o", linestyle="", color="#555555", label="measured on CUDA (device use)"),
                Line2D([], [], marker="s", linestyle="", color="#555555", label="measured on CPU (peak RSS)"),
                Line2D([], [], marker="D", linestyle="", color="#555555", markerfacecolor="none",
                       label="estimate (not measured)")]
@@ -277,9 +281,12 @@ def plot_memory_steps(tiers: list[Tier], colors: dict[str, str]) -> bytes:
             if reserved != allocated:  # CPU rows repeat RSS in both columns: draw it once
                 ax.plot(steps_r, [v / scale for v in reserved], color=color, linestyle="--",
                         label=f"{tier.name} reserved")
-            if tier.estimated_peak and tier.devices_match:
-                ax.axhline(tier.estimated_peak / scale, color=color, linestyle=":", linewidth=1,
-                           label=f"{tier.name} estimated peak")
+            # the estimate of what the lines show: the allocator's reserved peak, or the RSS booked
+            quantity = "reserved" if device == "cuda" else "process RSS"
+            line = next((c.estimated for c in memory.comparisons(tier) if c.quantity == quantity), None)
+            if line:
+                ax.axhline(line / scale, color=color, linestyle=":", linewidth=1,
+                           label=f"{tier.name} estimated {quantity}")
         what = "resident set size (allocated = reserved = RSS)" if device == "cpu" else \
             "allocated (solid), reserved (dashed)"
         ax.set_title(f"measured on {device}: {what}", fontsize=9)
