@@ -28,19 +28,25 @@ def choose_device(preset: dict, job: str = "train") -> torch.device:
     return torch.device("cpu")
 
 
-def configure_cuda_allocator(preset: dict) -> dict:
-    """Set expandable segments (train.cuda_expandable_segments) for this process's CUDA allocator,
-    unless the user set PYTORCH_CUDA_ALLOC_CONF themselves: then theirs is respected. Returns the
-    effective settings, for run.json; the estimate models the same mode."""
+def planned_allocator(preset: dict) -> dict:
+    """The CUDA allocator settings a run of `preset` will use: expandable segments as
+    train.cuda_expandable_segments says, unless the user set PYTORCH_CUDA_ALLOC_CONF themselves
+    (then theirs is respected). The estimate models this mode; run.json records it."""
     user = os.environ.get(ALLOC_CONF)
     if user is not None:
         return {"conf": user, "source": f"{ALLOC_CONF} set by the user",
                 "expandable_segments": expandable_in(user)}
     wanted = bool(preset["train"]["cuda_expandable_segments"])
-    if wanted:
-        os.environ[ALLOC_CONF] = "expandable_segments:True"
-    return {"conf": os.environ.get(ALLOC_CONF, ""), "source": "train.cuda_expandable_segments",
+    return {"conf": "expandable_segments:True" if wanted else "", "source": "train.cuda_expandable_segments",
             "expandable_segments": wanted}
+
+
+def configure_cuda_allocator(preset: dict) -> dict:
+    """Apply planned_allocator(preset) to this process, before CUDA starts; returns it."""
+    settings = planned_allocator(preset)
+    if settings["conf"] and ALLOC_CONF not in os.environ:
+        os.environ[ALLOC_CONF] = settings["conf"]
+    return settings
 
 
 def expandable_in(conf: str) -> bool:

@@ -22,6 +22,7 @@ from . import analytic, calibration, cpu_process
 from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY, CUDA_UNCERTAINTY
 from .cuda_model import modelled_backend
 from .trace import trace_step
+from tiersep.device import planned_allocator
 
 METHODS = ("trace", "analytic", "measure")
 
@@ -54,6 +55,8 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "segment_samples": preset["audio"]["segment_samples"],
         "checkpointing": preset["model"]["checkpointing"],
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
+        "allocator": ({"expandable_segments": planned_allocator(preset)["expandable_segments"]}
+                      if device == "cuda" else None),
     }
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
 
@@ -95,7 +98,8 @@ def _device_peak(reserved_peak: int, live: int, cal: dict) -> tuple[int, dict]:
 
 def _from_trace(preset: dict, device: str, cal: dict | None) -> dict:
     if device == "cuda":
-        r = trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"])
+        r = trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"],
+                       expandable_segments=planned_allocator(preset)["expandable_segments"])
     else:
         r = trace_step(preset, device)
     breakdown = dict(r.breakdown)
