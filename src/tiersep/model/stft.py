@@ -38,14 +38,25 @@ def stft(signal: Tensor, n_fft: int, hop: int, window: Tensor, normalized: bool 
 
 def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor, length: int) -> Tensor:
     """complex spectrum [..., F, T] -> signal [..., length]; inverse of stft() above."""
-    *lead, n_freq, n_frames = spec.shape
-    with torch.autocast(spec.device.type, enabled=False):
+    return istft_from_parts(torch.view_as_real(spec).transpose(-3, -2), n_fft, hop, window, length)
+
+
+def istft_from_parts(parts: Tensor, n_fft: int, hop: int, window: Tensor, length: int) -> Tensor:
+    """Real and imaginary parts [..., T, F, 2] -> signal [..., length]; the same inverse.
+
+    Real in, real out: the complex tensor exists only as the inverse FFT's input, which is what
+    torch.compile handles (inductor generates no code for complex tensors; it calls the FFT).
+    The FFT runs over the last axis of a contiguous [N, T, F] tensor, so the real FFT in its
+    backward returns a contiguous result on every device, as inductor's shape rules predict.
+    """
+    *lead, n_frames, n_freq, _ = parts.shape
+    with torch.autocast(parts.device.type, enabled=False):
         window = window.float()
-        frames = torch.fft.irfft(spec.reshape(-1, n_freq, n_frames), n=n_fft, dim=1)  # [N, n_fft, T]
-        frames = frames * window[:, None]
+        bins = torch.view_as_complex(parts.float().reshape(-1, n_frames, n_freq, 2).contiguous())
+        frames = torch.fft.irfft(bins, n=n_fft, dim=-1) * window  # [N, T, n_fft]
         total = n_fft + hop * (n_frames - 1)
         fold = dict(output_size=(1, total), kernel_size=(1, n_fft), stride=(1, hop))
-        signal = F.fold(frames, **fold).reshape(-1, total)  # [N, total]
+        signal = F.fold(frames.transpose(1, 2), **fold).reshape(-1, total)  # [N, total]
         envelope = F.fold((window ** 2)[None, :, None].expand(1, n_fft, n_frames), **fold)
         envelope = envelope.reshape(1, total)
         # Where no frame reaches (only possible with hop > n_fft / 2 at the edges) leave zeros.

@@ -22,7 +22,6 @@ training step on fake tensors.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from .stft import istft, make_window, stft
+from .stft import istft_from_parts, make_window, stft
 
 # The `model.attention_backend` setting -> SDPA kernels allowed (None: torch chooses).
 SDPA_BACKENDS = {
@@ -90,7 +89,8 @@ class SwiGLUConvDeconv(nn.Module):
         x = x.reshape(b * s1, s2, e).transpose(1, 2)  # [N, E, L]
         # Pad `overlap` in front and enough behind that the strided conv covers every position
         # and the deconv returns at least overlap + L samples.
-        padded = math.ceil((s2 + 2 * self.overlap - self.kernel) / self.stride) * self.stride + self.kernel
+        # (integer ceil division: exact, and symbolic lengths under torch.compile stay integers)
+        padded = -(-(s2 + 2 * self.overlap - self.kernel) // self.stride) * self.stride + self.kernel
         x = F.pad(x, (self.overlap, padded - s2 - self.overlap))  # [N, E, L_pad]
         value, gate = self.conv(x).chunk(2, dim=1)  # [N, H, L_conv] each
         x = self.dropout(value * F.silu(gate))
@@ -106,9 +106,10 @@ class SwiGLUConvDeconv(nn.Module):
 class RotaryEmbedding(nn.Module):
     """RoPE on interleaved pairs (x0, x1), (x2, x3), ... as rotary-embedding-torch does, in fp32.
 
-    Each pair is a complex number turned by position * frequency: one complex multiply instead of
-    rotate-half arithmetic (same values, fewer temporaries). Stateless: angles are recomputed from
-    positions, so nothing device- or length-bound is stored.
+    Each pair is turned by the angle position * frequency with real arithmetic
+    (x0 cos - x1 sin, x0 sin + x1 cos): the same values as one complex multiply, but without
+    complex tensors, which torch.compile's inductor cannot generate code for. Stateless: angles
+    are recomputed from positions, so nothing device- or length-bound is stored.
     """
 
     def __init__(self, head_dim: int, base: float):
@@ -123,9 +124,10 @@ class RotaryEmbedding(nn.Module):
             exponent = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
             inv_freq = self.base ** -exponent  # [d/2]
             angles = torch.arange(length, device=device).float()[:, None] * inv_freq  # [L, d/2]
-            turn = torch.polar(torch.ones_like(angles), angles)  # [L, d/2] complex, e^(i angle)
-            pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [N, H, L, d/2] complex
-            return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)  # [N, H, L, d]
+            cos, sin = angles.cos(), angles.sin()
+            even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [N, H, L, d/2] each
+            turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+            return turned.flatten(-2).to(x.dtype)  # [N, H, L, d]
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str, chunk: int) -> Tensor:
@@ -309,8 +311,8 @@ class TFLocoformer(nn.Module):
         with fp32_region(x):
             x = self.decoder(x.float())  # [B, n_src * 2 * C, T, F]
             x = x.reshape(b, self.n_sources, 2, c, n_frames, n_freq)
-            spec = torch.complex(x[:, :, 0], x[:, :, 1]).transpose(-1, -2)  # [B, n_src, C, F, T]
-            estimates = istft(spec, self.n_fft, self.hop, window, length)  # [B, n_src, C, S]
+            parts = x.permute(0, 1, 3, 4, 5, 2)  # [B, n_src, C, T, F, 2 (re, im)]
+            estimates = istft_from_parts(parts, self.n_fft, self.hop, window, length)  # [B, n_src, C, S]
             if scale is not None:
                 estimates = estimates * scale[:, None]  # [B, 1, 1, 1] broadcast
         return estimates
