@@ -225,6 +225,8 @@ def test_start_compile_and_allocator_are_shown_when_recorded(tmp_path):
     row = cells(row_html(page, "conditions", GPU_TIER))
     assert "not compiled (requested auto; dynamo fails in the complex RoPE)" in row
     assert "expandable_segments=True" in row and format_bytes(run["context_bytes"]) in row
+    cpu = read_json(results / "train" / "test_tiny" / "run.json")
+    assert format_bytes(cpu["start_rss_bytes"]) in cells(row_html(page, "conditions", "test_tiny"))
     flagged = cells(row_html(page, "conditions", "test_tiny--batch_size1"))
     assert any(c.startswith(format_bytes(83_370_000_000)) and "1.02 GiB below the best start" in c for c in flagged)
 

@@ -284,7 +284,8 @@ def _settings(value) -> str:
 
 def conditions_table(tiers: list[Tier]) -> Table:
     """How each trained tier ran: the free memory it started with (flagged when well below the
-    run's best start), compile state, allocator and malloc settings, the measured CUDA context."""
+    run's best start), the process's own RSS at start (CPU), compile state, allocator and malloc
+    settings, the measured CUDA context."""
     shortfalls = memory.start_shortfalls(tiers)
     trained = [t for t in tiers if t.run is not None or t.failure is not None]
 
@@ -298,6 +299,8 @@ def conditions_table(tiers: list[Tier]) -> Table:
 
     columns = [Column("", "Device", lambda t: t.measured_device or MISSING, numeric=False),
                Column("", "Free at start", start, numeric=False),
+               Column("", "Process at start", lambda t: format_bytes((t.run or {}).get("start_rss_bytes")),
+                      optional=True),  # CPU: the RSS before training, part of every RSS peak
                Column("", "Compile", lambda t: _compile(t.run or {}), numeric=False, optional=True),
                Column("", "Allocator", lambda t: _settings((t.run or {}).get("allocator")), numeric=False,
                       optional=True),
@@ -493,7 +496,7 @@ def cards(tiers: list[Tier]) -> list[Card]:
                         f"{format_db(best.overall_si_sdr)} dB SI-SDR; the mixture scores "
                         f"{format_db(best.overall('si_sdr_mixture'))} dB"))
         tracks, frames = best.scores.get("tracks"), best.frames
-        detail = (f"{frames[0]} of {frames[1]} museval frames valid (all stems)" if frames
+        detail = (f"{frames[0]} of {frames[1]} museval frames valid, all stems" if frames
                   else "frame counts not recorded")
         out.append(Card(f"{tracks}", "test tracks", detail))
     return out
