@@ -153,6 +153,15 @@ def _fits(tier: Tier) -> Cell:
     return Cell("fits", css="fits-yes") if fits else Cell("does not fit", css="fits-no")
 
 
+def _estimated(tier: Tier) -> Cell:
+    """The estimate of what `_measured` shows (the headline comparison), else the estimate record's
+    peak_bytes: the Memory columns of a row always compare like with like."""
+    comparison = memory.headline(tier)
+    if comparison is not None and comparison.estimated is not None:
+        return Cell(format_bytes(comparison.estimated), title=f"{comparison.quantity}: {comparison.estimated_as}")
+    return Cell(format_bytes(tier.estimated_peak), title=f"peak_bytes of results/vram/{tier.name}.json")
+
+
 def _measured(tier: Tier) -> Cell:
     value, what = memory.measured_peak(tier)
     if value is None:
@@ -201,7 +210,7 @@ TIER_COLUMNS = [
     Column("Configuration", "Check\u00adpointing", lambda t: _yes_no(t.setting("model", "checkpointing")),
            numeric=False),
     Column("Configuration", "Adapted to budget", _adapted, numeric=False, optional=True),  # on_oversize: adapt
-    Column("Memory", "Estimated peak", lambda t: format_bytes(t.estimated_peak)),
+    Column("Memory", "Estimated peak", _estimated),
     Column("Memory", "Measured peak", _measured),
     Column("Memory", "Estimate error", _headline_error),
     Column("Memory", "Fits budget", _fits, numeric=False),
