@@ -17,7 +17,9 @@ Each path, on sequences of one axis (macaron, no 1/2 factor, as the reference co
 Precision: under bf16 autocast the linear layers and convolutions of the blocks run in bf16, while
 the STFT/iSTFT, encoder, decoder, norms and RoPE run in fp32 (autocast off locally), and the residual
 stream stays fp32. Everything avoids data-dependent control flow so the memory estimator can trace a
-training step on fake tensors.
+training step on fake tensors, and torch.compile captures the forward as one graph (fullgraph=True,
+checkpointing included): no complex arithmetic outside the FFT calls, which inductor cannot
+generate code for (see tiersep.model.compile for the trainer's entry point).
 """
 from __future__ import annotations
 
