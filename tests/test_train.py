@@ -305,3 +305,27 @@ def test_sweep_expands_into_named_trials(ws):
 def test_sweep_value_names():
     assert [sweep.format_value(v) for v in (0.001, 0.01, 3e-4, 5, True, 0.5)] == \
         ["1e-3", "0.01", "3e-4", "5", "true", "0.5"]
+
+
+# ------------------------------------------------------------------------------ torch.compile
+def test_compiled_training_matches_eager_and_records_the_compile(ws, tmp_path, monkeypatch):
+    """train.compile true on CPU: the run trains through the torch.compile'd model (fullgraph,
+    Dynamo + AOTAutograd; the aot_eager backend keeps this test to seconds, inductor's code
+    generation is tested in test_model_compile), run.json records it with the compile's first-step
+    time, and the weights stay close to an eager run's (same data, same seed)."""
+    monkeypatch.setenv(trainer.COMPILE_BACKEND_ENV, "aot_eager")
+    steps = {"train.steps": 2, "train.validate_every": 2, "train.checkpoint_every": 2, "model.dropout": 0.0}
+    eager_out, compiled_out = tmp_path / "train" / "eager", tmp_path / "train" / "compiled"
+    assert trainer.train(ws["cfg"], tiny_preset(**steps), ws["data"], eager_out) == 0
+    assert trainer.train(ws["cfg"], tiny_preset(**steps, **{"train.compile": True}), ws["data"], compiled_out) == 0
+    run = json.loads((compiled_out / "run.json").read_text())
+    assert run["compile"]["requested"] is True and run["compile"]["compiled"] is True, run["compile"]
+    assert run["compile"]["first_step_seconds"] > 0 and run["compile"]["reason"] is None
+    assert run["compile"]["backend"] == "aot_eager"
+    eager = json.loads((eager_out / "run.json").read_text())["compile"]
+    assert eager["compiled"] is False and "train.compile auto on cpu" in eager["reason"]
+    a = torch.load(eager_out / "model.pt", weights_only=False)["model"]
+    b = torch.load(compiled_out / "model.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys()   # the checkpoint holds the eager model's names, no wrapper prefix
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4)

@@ -93,6 +93,7 @@ def estimate_budget(cfg: dict, device: str, override_gib: float | None) -> int |
 def cmd_estimate(args, cfg):
     from tiersep.io import write_json
     from tiersep.memory import estimate
+    from tiersep.records import validate_record
 
     preset = resolve_preset(args.preset, cfg, args.set)
     device = estimate_device(cfg, args.preset, preset, args.device)
@@ -106,7 +107,7 @@ def cmd_estimate(args, cfg):
     )
     if device == "cuda" and args.budget is None and cfg["budget_gib"] == "auto":
         record["budget"] = "auto (checked at train time)"
-    write_json(args.out, record)
+    write_json(args.out, validate_record("estimate", record, args.out))
     gib = record["peak_bytes"] / 2**30
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
     print(f"{preset['name']}: peak {gib:.2f} GiB ({record['method']}, {record['device']}, "

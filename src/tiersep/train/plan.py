@@ -49,6 +49,12 @@ class RunPlan:
     refusal: str | None = None      # set: the run is refused (exit 3)
     memory_fraction: float | None = None
 
+    @property
+    def compile(self) -> bool:
+        """train.compile: auto compiles on CUDA only (on CPU it does not pay: docs/training.md)."""
+        wanted = self.preset["train"]["compile"]
+        return self.device.type == "cuda" if wanted == "auto" else bool(wanted)
+
 
 def step_units(preset: dict) -> float:
     """Work of one optimisation step: samples x frames x freq bins x layers x channels."""

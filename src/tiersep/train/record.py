@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tiersep.io import write_json
+from tiersep.io import torch_save, write_json
+from tiersep.records import validate_record
+from tiersep.train import checkpoint as ckpt
 from tiersep.train.oom import attempted_allocation
 from tiersep.train.telemetry import column_max, describe_device, host_info, versions
 
@@ -18,8 +21,14 @@ ESTIMATE_FIELDS = ("peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", 
 
 
 def write_failure(out_dir: Path, kind: str, message: str, **extra) -> None:
-    write_json(Path(out_dir) / "failure.json", {"kind": kind, "message": message, **extra, **host_info(),
-                                                "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    path = Path(out_dir) / "failure.json"
+    failure = {"kind": kind, "message": message, **extra, **host_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    write_json(path, validate_record("failure", failure, path))
+
+
+def write_run(out_dir: Path, run: dict) -> None:
+    path = Path(out_dir) / "run.json"
+    write_json(path, validate_record("run", run, path))
 
 
 def write_oom_failure(run, err: BaseException, memory: dict) -> str:
@@ -52,7 +61,10 @@ def run_record(run, weights_step: int) -> dict:
     if plan.device.type == "cuda":
         measured["peak_device_bytes"] = max(measured["peak_device_bytes"],
                                             column_max(run.out_dir / "memory.csv", "device"))
-    loop_seconds = time.time() - run.loop_start
+    # the step rate leaves out a compiled run's first step, which compiled the model
+    compile_seconds = run.compile_info.get("first_step_seconds") or 0.0
+    loop_seconds = time.time() - run.loop_start - compile_seconds
+    timed_steps = run.steps_this_process - (1 if compile_seconds else 0)
     est = plan.estimate or {}
     return {
         "preset": run.preset["name"], **host_info(), "device": describe_device(plan.device),
@@ -64,7 +76,7 @@ def run_record(run, weights_step: int) -> dict:
         "wall_seconds": round(time.time() - run.wall_start, 3),
         "train_seconds": round(run.train_seconds(), 3),
         "steps": run.step, "steps_this_process": run.steps_this_process,
-        "steps_per_s": (run.steps_this_process / loop_seconds) if loop_seconds > 0 else None,
+        "steps_per_s": (timed_steps / loop_seconds) if loop_seconds > 0 and timed_steps > 0 else None,
         "parameters": run.parameters,
         "attention_backend": est.get("attention_backend", run.preset["model"]["attention_backend"]),
         "precision": t["precision"], "batch_size": t["batch_size"], "grad_accum": t["grad_accum"],
@@ -78,4 +90,31 @@ def run_record(run, weights_step: int) -> dict:
         "estimate": {k: est.get(k) for k in ESTIMATE_FIELDS} if est else None,
         "gate_budget_bytes": plan.budget,
         "adapted": plan.adapted,
+        "compile": run.compile_info,
     }
+
+
+def clear_finished_outputs(out_dir: Path) -> None:
+    """A run that starts (not resumes) must not leave an older model.pt/run.json looking current,
+    nor older checkpoints that a later --resume would pick up."""
+    for path in (out_dir / "model.pt", out_dir / "run.json", ckpt.last_path(out_dir),
+                 ckpt.best_path(out_dir)):
+        path.unlink(missing_ok=True)
+
+
+def export_model(run) -> int:
+    """Write model.pt with the weights train.export asks for: the best validation weights (best.pt)
+    or the last ones. Returns the step they are from."""
+    weights, step = run.model.state_dict(), run.step
+    best_file = ckpt.best_path(run.out_dir)
+    if run.t["export"] == "best" and best_file.is_file() and run.best.get("step") is not None:
+        best_state = ckpt.load_checkpoint(best_file)
+        if best_state["step"] == run.best["step"]:
+            weights, step = best_state["model"], run.best["step"]
+        else:
+            print(f"tiersep train: {best_file} holds step {best_state['step']}, not the best step "
+                  f"{run.best['step']}; exporting the last weights", file=sys.stderr)
+    weights = {k: v.detach().cpu() for k, v in weights.items()}
+    torch_save({"model": weights, "preset": run.preset, "step": int(step), "final_step": run.step,
+                "export": run.t["export"]}, run.out_dir / "model.pt")
+    return int(step)

@@ -34,6 +34,7 @@ from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog
 from tiersep.train.validation import validate
 
 EXIT_OK, EXIT_REFUSED, EXIT_OOM, EXIT_PREEMPTED = 0, 3, 4, 75
+COMPILE_BACKEND_ENV = "TIERSEP_COMPILE_BACKEND"
 __all__ = ["train", "EXIT_OK", "EXIT_REFUSED", "EXIT_OOM", "EXIT_PREEMPTED", "INJECT_OOM_ENV"]
 
 
@@ -65,19 +66,11 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
     if plan.not_resumed:
         print(f"tiersep train: {plan.not_resumed}; starting from scratch", file=sys.stderr)
     if plan.resume is None:
-        _clear_finished_outputs(out_dir)
+        record.clear_finished_outputs(out_dir)
     code = Training(plan, data_dir, out_dir, wall_start).run()
     if code == EXIT_OK and outcome_path is not None:
         write_json(outcome_path, {"preset": preset["name"], "status": "trained", "run": str(out_dir / "run.json")})
     return code
-
-
-def _clear_finished_outputs(out_dir: Path) -> None:
-    """A run that starts (not resumes) must not leave an older model.pt/run.json looking current,
-    nor older checkpoints that a later --resume would pick up."""
-    for path in (out_dir / "model.pt", out_dir / "run.json", ckpt.last_path(out_dir),
-                 ckpt.best_path(out_dir)):
-        path.unlink(missing_ok=True)
 
 
 class Training:
@@ -91,6 +84,7 @@ class Training:
         self.resumed_from = None
         self.loop_start = None
         self.model = self.optimizer = self.metrics = self.memory = None
+        self.compile_info = {"requested": plan.preset["train"]["compile"], "compiled": False, "reason": None}
 
     # -- setup -------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -100,6 +94,7 @@ class Training:
         p, t, state = self.preset, self.t, self.plan.resume
         ckpt.seed_everything(t["seed"])
         self.model = build_model(p).to(self.device)
+        self.step_model = self._compiled(self.model)
         self.parameters = count_parameters(self.model)
         self.loss_fn = build_loss(p)
         self.optimizer = make_optimizer(self.model, p, self.device.type)
@@ -124,6 +119,21 @@ class Training:
         keep = self.step if state is not None else None
         self.metrics = CsvLog(self.out_dir / "metrics.csv", METRICS_FIELDS, keep)
         self.memory = CsvLog(self.out_dir / "memory.csv", MEMORY_FIELDS, keep)
+
+    def _compiled(self, model):
+        """The model the training step calls: torch.compile'd when the plan says so, with inductor's
+        cache shared by every tier and trial of this results tree (a sweep compiles once)."""
+        if not self.plan.compile:
+            self.compile_info["reason"] = f"train.compile {self.t['compile']} on {self.device.type}"
+            return model
+        from tiersep.model.compile import compile_model
+
+        # TIERSEP_COMPILE_BACKEND (e.g. aot_eager) bisects a compile problem without inductor
+        backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
+        compiled, info = compile_model(model, self.t["compile_mode"], self.out_dir.parent / ".compile_cache",
+                                       backend=backend)
+        self.compile_info.update(info)
+        return compiled
 
     def _checkpoint(self) -> None:
         self.run_info.update({
@@ -187,16 +197,24 @@ class Training:
                 assert data_step == self.step, f"loader at step {data_step}, expected {self.step}"
                 maybe_inject_oom(injection, data_step, micro, self.preset["name"])
                 row = self._step(data_step, mixture, stems)
-                recent = (recent + [time.time() - tick])[-20:]
-                row["steps_per_s"] = len(recent) / sum(recent)
+                elapsed = time.time() - tick
+                if self.steps_this_process == 1 and self.compile_info["compiled"]:
+                    # the first compiled step compiles: logged apart, kept out of the step rate
+                    self.compile_info["first_step_seconds"] = round(elapsed, 3)
+                    tqdm.write(f"{self.preset['name']}: torch.compile and the first step took "
+                               f"{elapsed:.1f} s", file=sys.stderr)
+                else:
+                    recent = (recent + [elapsed])[-20:]
+                row["steps_per_s"] = len(recent) / sum(recent) if recent else None
                 if self.step % t["validate_every"] == 0 or self.step == steps:
                     row.update(self._validate())
                 self.metrics.append(row)
                 self.memory.append({"step": self.step, **self.plan.probe.sample()})
                 if self.step % t["checkpoint_every"] == 0 or self.step == steps:
                     self._checkpoint()
-                bar.set_postfix_str(f"loss {row['loss']:.4f} lr {row['lr']:.2e} {row['steps_per_s']:.2f} st/s "
-                                    f"{self.plan.probe.postfix()}", refresh=False)
+                rate = f"{row['steps_per_s']:.2f} st/s " if row["steps_per_s"] else ""
+                bar.set_postfix_str(f"loss {row['loss']:.4f} lr {row['lr']:.2e} {rate}{self.plan.probe.postfix()}",
+                                    refresh=False)
                 bar.update(1)
         finally:
             bar.close()
@@ -217,7 +235,7 @@ class Training:
         # samples whatever the split, so a downshifted retry sees the same data.
         chunks = [(m.to(self.device, non_blocking=True), s.to(self.device, non_blocking=True))
                   for m, s in zip(mixture.split(micro), stems.split(micro))]
-        loss, grad_norm = train_step(self.model, self.loss_fn, self.optimizer, chunks, self.preset,
+        loss, grad_norm = train_step(self.step_model, self.loss_fn, self.optimizer, chunks, self.preset,
                                      self.device.type)
         loss, grad_norm = float(loss), float(grad_norm)
         if not math.isfinite(loss):
@@ -263,28 +281,12 @@ class Training:
         return EXIT_OOM
 
     def _finish(self) -> int:
-        weights, weights_step = self._exported_weights()
-        weights = {k: v.detach().cpu() for k, v in weights.items()}
-        from tiersep.io import torch_save
-
-        torch_save({"model": weights, "preset": self.preset, "step": int(weights_step),
-                    "final_step": self.step, "export": self.t["export"]}, self.out_dir / "model.pt")
+        weights_step = record.export_model(self)
         run = record.run_record(self, weights_step)
-        write_json(self.out_dir / "run.json", run)
+        record.write_run(self.out_dir, run)
         sps = run["steps_per_s"]
         print(f"tiersep train: {self.preset['name']}: {self.step} steps"
               + (f" ({sps:.2f} steps/s)" if sps else "")
               + f", best val SI-SDR {self.best['val_si_sdr']:.2f} dB at step {self.best['step']}; "
               f"wrote {self.out_dir / 'model.pt'}", file=sys.stderr)
         return EXIT_OK
-
-    def _exported_weights(self) -> tuple[dict, int]:
-        """train.export: the best validation weights (best.pt) or the last ones."""
-        best_file = ckpt.best_path(self.out_dir)
-        if self.t["export"] == "best" and best_file.is_file() and self.best.get("step") is not None:
-            best_state = ckpt.load_checkpoint(best_file)
-            if best_state["step"] == self.best["step"]:
-                return best_state["model"], self.best["step"]
-            print(f"tiersep train: {best_file} holds step {best_state['step']}, not the best step "
-                  f"{self.best['step']}; exporting the last weights", file=sys.stderr)
-        return self.model.state_dict(), self.step
