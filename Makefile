@@ -10,10 +10,14 @@ PYTEST_ARGS ?=
 
 .PHONY: run test setup setup-test system-deps test-system-deps report clean
 
+# A run killed with SIGKILL leaves .snakemake/locks behind: tiersep.lock unlocks it when no
+# snakemake or tiersep process of this directory is alive (a live run is never unlocked).
 run: setup
+	$(BIN)/python -m tiersep.lock --snakemake $(BIN)/snakemake
 	$(BIN)/snakemake $(SNAKEMAKE_ARGS)
 
 report: setup
+	$(BIN)/python -m tiersep.lock --snakemake $(BIN)/snakemake
 	$(BIN)/snakemake report $(SNAKEMAKE_ARGS)
 
 test: setup-test

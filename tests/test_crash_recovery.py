@@ -200,3 +200,139 @@ def test_resume_with_no_readable_checkpoint_starts_over_with_a_warning(trained, 
     assert "the previous checkpoint is not usable either" in run["resume_warning"]
     assert "; starting from scratch" in log and "Traceback" not in log
     assert_same_weights(out, trained[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Snakemake killed with SIGKILL mid-train (real snakemake on a copy of the workflow)
+# ---------------------------------------------------------------------------------------------
+def _crash_workflow(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A workflow copy whose one tier trains long enough to be killed mid-run, and its command."""
+    import yaml
+
+    from conftest import copy_workflow
+
+    wf = copy_workflow(tmp_path / "wf")
+    preset = yaml.safe_load((wf / "tests/configs/presets/test_tiny.yaml").read_text())
+    preset["name"] = "crash_tiny"
+    preset["train"].update(steps=40, checkpoint_every=5, validate_every=20)
+    (wf / "tests/configs/presets/crash_tiny.yaml").write_text(yaml.safe_dump(preset))
+    cfg = yaml.safe_load(TINY_CONFIG.read_text())
+    cfg.update(tiers=["crash_tiny"], estimate_tiers=[])
+    (wf / "crash.yaml").write_text(yaml.safe_dump(cfg))
+    return wf, ["--cores", "2", "--resources", "gpu=1", "--configfile", "crash.yaml"]
+
+
+def _snakemake_env() -> dict:
+    from conftest import BIN
+
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+
+
+def _lock_check(wf: Path) -> subprocess.CompletedProcess:
+    """What `make run` does before snakemake: python -m tiersep.lock --snakemake <snakemake>."""
+    from conftest import BIN
+
+    return subprocess.run([sys.executable, "-m", "tiersep.lock", "--workdir", str(wf), "--snakemake",
+                           str(BIN / "snakemake")], cwd=wf, env=_snakemake_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow  # the real pipeline, twice
+def test_snakemake_killed_mid_train_then_the_same_command_resumes(tmp_path):
+    import signal
+    import time
+
+    from conftest import BIN, run_snakemake
+    from tiersep import lock
+
+    wf, command = _crash_workflow(tmp_path)
+    first = subprocess.Popen([str(BIN / "snakemake"), *command], cwd=wf, env=_snakemake_env(),
+                             stdout=open(tmp_path / "first.log", "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    run_dir = wf / "results" / "train" / "crash_tiny"
+    deadline = time.time() + 600
+    while not (ckpt.last_path(run_dir).is_file() and ckpt.load_checkpoint(ckpt.last_path(run_dir))["step"] >= 5):
+        assert first.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.5)
+
+    # While it runs, its lock is live: the check leaves it alone.
+    live = _lock_check(wf)
+    assert live.returncode == 0 and "left alone" in live.stderr and "held by a running process" in live.stderr
+    assert lock.lock_files(wf) and first.poll() is None
+
+    os.killpg(first.pid, signal.SIGKILL)   # snakemake and its job, no chance to clean up
+    first.wait(timeout=60)
+    killed_at = ckpt.load_checkpoint(ckpt.last_path(run_dir))["step"]
+    assert killed_at < 40 and lock.lock_files(wf) and not (run_dir / "run.json").exists()
+    assert lock.stale_lock(wf)[0]
+
+    # The same command, as the README gives it: it unlocks the stale lock and finishes.
+    again = run_snakemake(wf, *command, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    assert "tiersep: unlocked" in again.stdout and "stale" in again.stdout, again.stdout[-3000:]
+    assert "Using workflow specific profile profiles/default" in again.stdout
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["resumed_from"] is not None and run["resumed_from"] >= killed_at >= 5 and run["steps"] == 40
+    assert (wf / "results" / "report" / "index.html").is_file()
+    assert not lock.lock_files(wf)
+
+
+def test_lock_check_unlocks_only_a_stale_lock(tmp_path):
+    """python -m tiersep.lock on a lock nobody holds (what a SIGKILLed run leaves): removed through
+    `snakemake --unlock`; on an unlocked directory: nothing to do."""
+    from tiersep import lock
+
+    wf, _ = _crash_workflow(tmp_path)
+    locks = wf / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    (locks / "0.input.lock").write_text("results/report/index.html\n")
+    (locks / "0.output.lock").write_text("results/report/index.html\n")
+    assert lock.stale_lock(wf) == (True, f"{locks}: stale (2 lock files, no snakemake or tiersep "
+                                         "process is running in this directory)")
+    done = _lock_check(wf)
+    assert done.returncode == 0 and done.stderr.startswith(f"tiersep: unlocked {locks}: stale"), done.stderr
+    assert not lock.lock_files(wf)
+    assert _lock_check(wf).stderr == ""
+
+
+def test_a_process_of_the_directory_keeps_the_lock(tmp_path):
+    """A tiersep job still running in the directory (e.g. orphaned by a killed snakemake) counts as
+    live: unlocking then would let a second run train into the same folder. The job is a real
+    process with a train job's command line, `python -m tiersep.cli train ...`, running a stand-in
+    tiersep.cli that only waits (a real training run is what the slow test above uses)."""
+    from tiersep import lock
+
+    (tmp_path / ".snakemake" / "locks").mkdir(parents=True)
+    (tmp_path / ".snakemake" / "locks" / "0.input.lock").write_text("results/train/t/outcome.json\n")
+    stub = tmp_path / "stub" / "tiersep"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "cli.py").write_text("import sys, time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    job = subprocess.Popen([sys.executable, "-m", "tiersep.cli", "train", "--preset", "t"], cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(stub.parent)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline() == "up\n"
+        stale, why = lock.stale_lock(tmp_path)
+        assert not stale and f"pid {job.pid}: " in why and "-m tiersep.cli train" in why
+        assert lock.remove_stale_lock(tmp_path).startswith("left alone: ")
+        assert lock.lock_files(tmp_path)
+    finally:
+        job.kill()
+        job.wait()
+    assert lock.remove_stale_lock(tmp_path).startswith("unlocked ")
+    assert not lock.lock_files(tmp_path)
+
+
+@pytest.mark.parametrize("cmdline, program", [
+    (["/x/.venv/bin/python", "/x/.venv/bin/snakemake", "--cores", "1"], "snakemake"),
+    (["snakemake", "-n"], "snakemake"),
+    (["python3", "-m", "snakemake", "--unlock"], "snakemake"),
+    (["/x/.venv/bin/tiersep", "train", "--preset", "a"], "tiersep"),
+    (["python", "-m", "tiersep.cli", "train"], "tiersep"),
+    (["/usr/bin/bash", "-c", "tiersep train --preset a > log"], None),   # its child is the job
+    (["vim", "Snakefile"], None),
+    ([], None),
+])
+def test_which_processes_count(cmdline, program):
+    from tiersep import lock
+
+    assert lock._program(cmdline) == program

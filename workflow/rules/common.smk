@@ -26,6 +26,16 @@ def _validated_config():
 shell.prefix(f'export PATH="{os.path.dirname(sys.executable)}:$PATH"; ')
 
 CFG = _validated_config()
+
+# A run killed with SIGKILL left its lock: remove it when no snakemake or tiersep process of this
+# directory is alive (tiersep/lock.py), before Snakemake takes its own. Not in cluster jobs: their
+# main process holds the lock on another machine.
+if workflow.is_main_process:
+    from tiersep.lock import remove_stale_lock
+
+    _unlocked = remove_stale_lock(os.getcwd())
+    if _unlocked:
+        print(f"tiersep: {_unlocked}", file=sys.stderr)
 RESULTS = CFG["results_dir"]
 CONTAINER = CFG["container"]
 # Written by the `config` rule. An input of every job, marked ancient: a config change reruns only
