@@ -272,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = C.load_config(args.config) if args.config else None
+        if args.config == DEFAULT_CONFIG and not Path(DEFAULT_CONFIG).is_file():
+            cfg = C.validate({}, "config.schema.yaml", "the built-in defaults")   # outside a checkout
+        else:
+            cfg = C.load_config(args.config) if args.config else None
         return args.func(args, cfg) or 0
     except C.ConfigError as err:
         print(f"tiersep {args.command}: error: {err}", file=sys.stderr)

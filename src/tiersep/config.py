@@ -16,9 +16,11 @@ from typing import Any
 import yaml
 from jsonschema import Draft202012Validator, validators
 
+from tiersep.resources import resource_dir
+
 PACKAGE_DIR = Path(__file__).resolve().parent
-# The schemas live once, in workflow/schemas; found from a source checkout or the working directory.
-SCHEMA_DIRS = (PACKAGE_DIR.parents[1] / "workflow" / "schemas", Path.cwd() / "workflow" / "schemas")
+# The schemas live once, in workflow/schemas (a wheel carries them inside the package).
+SCHEMA_DIRS = (resource_dir("schemas"), Path.cwd() / "workflow" / "schemas")
 
 
 class ConfigError(ValueError):
@@ -60,8 +62,6 @@ def load_yaml(text: str):
 
 def load_schema(name: str) -> dict:
     return load_yaml(_schema_path(name).read_text())
-
-
 
 
 def _with_defaults(validator_class):
@@ -194,12 +194,19 @@ def all_preset_names(cfg: dict) -> list[str]:
     return names
 
 
+SHIPPED_PRESETS = resource_dir("presets")
+
+
 def preset_path(name: str, cfg: dict | None = None) -> Path:
-    """A preset name resolves to <presets_dir>/<name>.yaml; a path to a .yaml file is taken as is."""
+    """A preset name resolves to <presets_dir>/<name>.yaml, else to the shipped preset of that name
+    (so a config with its own presets_dir can still list the seed tiers); a path to a .yaml file is
+    taken as is."""
     if name.endswith((".yaml", ".yml")) or "/" in name:
         return Path(name)
     presets_dir = Path(cfg["presets_dir"]) if cfg else Path("config/presets")
-    return presets_dir / f"{name}.yaml"
+    path = presets_dir / f"{name}.yaml"
+    shipped = SHIPPED_PRESETS / f"{name}.yaml"
+    return shipped if not path.is_file() and shipped.is_file() else path
 
 
 def load_preset(name: str, cfg: dict | None = None) -> dict:

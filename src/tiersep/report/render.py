@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tiersep import config as C
 from tiersep import io
+from tiersep.resources import resource_dir
 from tiersep.report.collect import Collected, collect
 from tiersep.report.plots import PLOTS
 
@@ -23,8 +24,8 @@ TEMPLATE_FILES = ("index.html.j2", "style.css", "report.md.j2")
 
 # ---- files the render reads and writes (for the workflow's input/output lists) -----------------
 def caption_dir() -> Path | None:
-    """workflow/report/ of the working directory (the Snakemake workdir), else of the checkout."""
-    for folder in (Path.cwd() / "workflow" / "report", C.PACKAGE_DIR.parents[1] / "workflow" / "report"):
+    """workflow/report/ of the working directory (the Snakemake workdir), else the shipped captions."""
+    for folder in (Path.cwd() / "workflow" / "report", resource_dir("captions")):
         if folder.is_dir():
             return folder
     return None
