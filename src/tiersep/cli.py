@@ -184,6 +184,8 @@ def cmd_report(args, cfg):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its arguments. Long because argparse declares them one call at a time,
+    and one place for all of them is what `tiersep --help` and the docs test read."""
     parser = argparse.ArgumentParser(
         prog="tiersep", description="Train TF-Locoformer separators at several GPU-memory tiers: "
         "prepare data, estimate peak VRAM, train, evaluate, report.",

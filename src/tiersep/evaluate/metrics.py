@@ -21,6 +21,7 @@ torch. Undefined cases follow museval: a silent reference or estimate (every sam
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -113,10 +114,23 @@ def framewise_sdr(estimates: np.ndarray, references: np.ndarray, win: int, hop: 
     return out
 
 
+def stored_frames(track: str, frames: dict[str, np.ndarray], metric: str = "SDR"):
+    """museval's long table (track, target, metric, time, score) of one metric's per-frame values
+    {target: [frames]}, stored as museval's TrackStore stores them (1e-5 steps, inf as NaN)."""
+    import museval
+
+    store = museval.TrackStore(track_name=track, win=1.0, hop=1.0)
+    for target, values in frames.items():
+        values = np.asarray(values, dtype=np.float64).tolist()
+        nothing = [math.nan] * len(values)
+        store.add_target(target_name=target, values={"SDR": values, "SIR": nothing, "ISR": nothing,
+                                                     "SAR": nothing})
+    table = store.df
+    return table[table.metric == "SDR"].assign(metric=metric)
+
+
 def museval_quantize(values) -> np.ndarray:
     """Frame values [frames] as museval stores them (TrackStore: 1e-5 steps, inf -> NaN)."""
-    from tiersep.evaluate.scoring import stored_frames
-
     flat = np.asarray(values, dtype=np.float64).ravel()
     table = stored_frames("track", {"target": flat})
     return table.sort_values("time")["score"].to_numpy(dtype=np.float64).reshape(np.shape(values))
@@ -126,8 +140,6 @@ def track_median(frame_values) -> np.ndarray:
     """SiSEC per-track score of frame values [..., frames]: museval's EvalStore median over the
     stored frames, skipping NaN (NaN when no frame is valid)."""
     import museval
-
-    from tiersep.evaluate.scoring import stored_frames
 
     values = np.asarray(frame_values, dtype=np.float64)
     rows = values.reshape(-1, values.shape[-1])

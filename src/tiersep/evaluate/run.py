@@ -97,20 +97,16 @@ def evaluate_model(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Pa
                    model_path: Path | None = None, step: int | None = None) -> dict:
     """Separate and score the test tracks; write out_dir/scores.json (last, it marks completion),
     out_dir/museval/<track>.json and, when evaluate.save_estimates, out_dir/estimates/<track>/<stem>.wav.
-    Returns the scores dict."""
-    from tiersep.data.tracks import read_track, track_names, track_samples
+    Returns the scores dict. Long because separation and scoring share one ExitStack: the atomic
+    output folders, the progress bar and the torch thread budget live exactly as long as both."""
+    from tiersep.data.tracks import read_track, track_samples
 
     began = time.perf_counter()
     settings = cfg["evaluate"]
     sources = list(preset["model"]["sources"])
     rate = int(preset["audio"]["sample_rate"])
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    _check_rate(data_dir, rate)
-    names = track_names(data_dir, "test")
-    if settings["max_tracks"] is not None:
-        names = names[: settings["max_tracks"]]
-    if not names:
-        raise ConfigError(f"{data_dir}: the test split has no tracks to evaluate")
+    names = _test_tracks(data_dir, rate, settings["max_tracks"])
 
     device = resolve_device(preset)
     precision = preset["train"]["precision"]
@@ -154,30 +150,27 @@ def evaluate_model(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Pa
                 (museval_dir / f"{name}.json").write_text(result["museval_json"])
 
     aggregated = aggregate_scores(results, si_sdrs, sources)  # museval's EvalStore medians
-    scores = {
-        "preset": preset["name"],
-        "sources": sources,
-        "sample_rate": rate,
-        "tracks": len(aggregated["per_track"]),
-        "overall": aggregated["overall"],
-        "per_stem": aggregated["per_stem"],
-        "per_track": aggregated["per_track"],
-        "protocol": protocol_text(rate, settings),
-        "seconds": time.perf_counter() - began,
-        "skipped": skipped,
-        "model": str(model_path) if model_path else None,
-        "step": step,
-        "device": device.type,
-        "precision": precision,
-        "chunk_seconds": settings["chunk_seconds"],
-        "overlap": settings["overlap"],
-        "workers": workers,
-        "museval_version": _museval_version(),
-    }
+    scores = {"preset": preset["name"], "sources": sources, "sample_rate": rate,
+              "tracks": len(aggregated["per_track"]), **aggregated,
+              "protocol": protocol_text(rate, settings), "seconds": time.perf_counter() - began,
+              "skipped": skipped, "model": str(model_path) if model_path else None, "step": step,
+              "device": device.type, "precision": precision, "chunk_seconds": settings["chunk_seconds"],
+              "overlap": settings["overlap"], "workers": workers, "museval_version": _museval_version()}
     scores = _json_ready(scores)
     write_scores(out_dir / "scores.json", scores)
     _print_summary(scores)
     return scores
+
+
+def _test_tracks(data_dir: Path, rate: int, max_tracks: int | None) -> list[str]:
+    """The test tracks to evaluate (the first max_tracks), from a folder prepared at `rate`."""
+    from tiersep.data.tracks import track_names
+
+    _check_rate(data_dir, rate)
+    names = track_names(data_dir, "test")[:max_tracks]
+    if not names:
+        raise ConfigError(f"{data_dir}: the test split has no tracks to evaluate")
+    return names
 
 
 @contextlib.contextmanager

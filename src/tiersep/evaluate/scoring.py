@@ -174,21 +174,6 @@ METRIC_NAMES = {"si_sdr": "SI-SDR", "sdr": "SDR", "sir": "SIR", "isr": "ISR", "s
                 "si_sdr_mixture": "SI-SDR_MIXTURE", "sdr_mixture": "SDR_MIXTURE"}
 
 
-def stored_frames(track: str, frames: dict[str, np.ndarray], metric: str = "SDR"):
-    """museval's long table (track, target, metric, time, score) of one metric's per-frame values
-    {target: [frames]}, stored as museval's TrackStore stores them (1e-5 steps, inf as NaN)."""
-    import museval
-
-    store = museval.TrackStore(track_name=track, win=1.0, hop=1.0)
-    for target, values in frames.items():
-        values = np.asarray(values, dtype=np.float64).tolist()
-        nothing = [math.nan] * len(values)
-        store.add_target(target_name=target, values={"SDR": values, "SIR": nothing, "ISR": nothing,
-                                                     "SAR": nothing})
-    table = store.df
-    return table[table.metric == "SDR"].assign(metric=metric)
-
-
 def _whole_track_rows(track: str, whole_track: dict[str, dict], sources: list[str]):
     """SI-SDR over the whole track as one 'frame' per stem (not quantised: it is not a museval
     metric), so its median over tracks is the EvalStore's too."""
@@ -219,7 +204,7 @@ def aggregate_scores(results: list[dict], whole_track: dict[str, dict], sources:
         if result["museval_json"] is not None:
             tables.append(museval.aggregate.json2df(simplejson.loads(result["museval_json"], allow_nan=True),
                                                     name))
-        tables.append(stored_frames(name, dict(zip(sources, mixture_sdr)), METRIC_NAMES["sdr_mixture"]))
+        tables.append(metrics.stored_frames(name, dict(zip(sources, mixture_sdr)), METRIC_NAMES["sdr_mixture"]))
         tables.append(_whole_track_rows(name, whole_track[name], sources))
     store = museval.EvalStore(frames_agg="median", tracks_agg="median")
     store.add_track(pd.concat(tables, ignore_index=True))

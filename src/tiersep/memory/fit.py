@@ -63,7 +63,9 @@ def describe_changes(old: dict, new: dict) -> list[str]:
 
 def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: float = 0.08,
         calibration_spec: str = "auto") -> tuple[dict, list[str]]:
-    """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`."""
+    """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`.
+    Long because the search's steps are closures over one state (the trace-to-analytic ratio, the
+    levers allowed, the tightened limit) that the trace check updates between rounds."""
     if budget_bytes is None or budget_bytes <= 0:
         raise ValueError("fit: a positive budget in bytes is needed")
     limit = budget_bytes * (1.0 - safety_margin)
