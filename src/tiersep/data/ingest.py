@@ -28,8 +28,9 @@ import soundfile as sf
 
 from tiersep.data.errors import DataError
 from tiersep.data.synthetic import ensure_synthetic, generator_settings, publish_dir, raw_root
+from tiersep.data.tracks import BASE_STEMS
 
-STEM_FILES = ("mixture", "drums", "bass", "other", "vocals")  # MUSDB files; stem index in .stem.mp4
+STEM_FILES = ("mixture", *BASE_STEMS)  # MUSDB files; stem index in .stem.mp4
 SPLITS = ("train", "valid", "test")
 DOWNLOAD_TIMEOUT_S = 60.0  # per socket operation of the musdb-sample download
 DECODER_SLACK = 2048  # an AAC decode may end this many samples short of the stream length (padded)

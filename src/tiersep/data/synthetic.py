@@ -36,10 +36,11 @@ import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
+from tiersep.data.tracks import BASE_STEMS
 from tiersep.io import read_json, write_json
 
 GENERATOR_VERSION = 2
-STEMS = ("drums", "bass", "other", "vocals")  # MUSDB stem order; mixture = sum in this order
+STEMS = BASE_STEMS  # MUSDB stem order; mixture = sum in this order
 MARKER = "tiersep_synthetic.json"  # written last: its presence means the folder is complete
 
 MAJOR = (0, 2, 4, 5, 7, 9, 11)

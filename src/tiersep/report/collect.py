@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiersep import config as C
+from tiersep.memory.constants import BREAKDOWN_KEYS  # noqa: F401 - the estimate's parts, in report order
 from tiersep.records import RecordError, read_record
-
-# Order of the estimate breakdown everywhere (tables, plots).
-BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
 
 
 def device_type(device: str | None) -> str | None:
