@@ -10,11 +10,13 @@ import collections
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiersep import config as C
 from tiersep.memory.cuda_model import (FP32, FP32_OUTPUT, LOWER_PRECISION, PROMOTE, CudaEmulation,
-                                       _FusedAttention, choose_cuda_backend, cuda_autocast_ops, policy_of)
+                                       CudaKernelMemory, choose_cuda_backend, cuda_autocast_ops,
+                                       fused_attention, policy_of)
 from tiersep.memory.tracker import FORWARD, StorageTracker, cuda_block_bytes
 
 
@@ -112,7 +114,7 @@ def test_fused_attention_keeps_linear_state():
         q, k, v = (torch.empty(n, h, length, d, requires_grad=True) for _ in range(3))
         tracker = StorageTracker(cuda_block_bytes)
         with tracker:
-            out = _FusedAttention.apply(q, k, v, "efficient")
+            out = fused_attention(q, k, v, "efficient")
         tracker.stop()
     sizes = sorted(a.nbytes for a in tracker.timeline.allocations.values())
     # the output and the fp32 logsumexp (rows padded to 32); nothing of size L^2
@@ -125,7 +127,7 @@ def test_flash_pads_head_dim_to_8():
         q, k, v = (torch.empty(4, 2, 50, 12, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         tracker = StorageTracker(cuda_block_bytes)
         with tracker:
-            out = _FusedAttention.apply(q, k, v, "flash")
+            out = fused_attention(q, k, v, "flash")
         tracker.stop()
     shapes = {a.shape for a in tracker.timeline.allocations.values()}
     assert (4, 2, 50, 16) in shapes           # padded copies of q, k, v
@@ -139,3 +141,160 @@ def test_backend_choice():
     assert choose_cuda_backend("math", torch.bfloat16, 16, False) == "math"
     with pytest.raises(ValueError, match="model.attention_backend: flash needs"):
         choose_cuda_backend("flash", torch.float32, 16, False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel-internal memory and allocation order, checked against the H100 allocator event logs
+# (tests/data/gpu/h100-2026-11-22/events): the expected sizes below are read off those logs.
+# ------------------------------------------------------------------------------------------------
+def _trace(fn, *, workspace=32 * 2**20):
+    """Run fn() on fake CPU tensors under a tracker with the CUDA op model; the (sign, bytes, op) list."""
+    tracker = StorageTracker(cuda_block_bytes, op_model=CudaKernelMemory(workspace))
+    with tracker:
+        keep = fn()
+    tracker.stop()
+    del keep
+    tl = tracker.timeline
+    return [(s, tl.allocations[k].nbytes, tl.allocations[k].op) for k, s in tl.events]
+
+
+def _backward_events(fn, **kw):
+    """(sign, bytes, op) of the backward part of fn() (forward and backward run under the tracker,
+    so that the tensors backward uses are known to it)."""
+    tracker = StorageTracker(cuda_block_bytes, op_model=CudaKernelMemory(kw.get("workspace", 32 * 2**20)))
+    with tracker:
+        fn()
+    tracker.stop()
+    tl = tracker.timeline
+    return [(s, tl.allocations[k].nbytes, tl.allocations[k].op)
+            for (k, s), phase in zip(tl.events, tl.phases) if phase == "backward"]
+
+
+def test_autocast_casts_the_last_argument_first():
+    """The log's SwiGLU conv under bf16 autocast: +768 (bias), +147456 (weight), +17189280 (input)."""
+    with FakeTensorMode():
+        x = torch.empty(345, 48, 519)
+        conv = torch.nn.Conv1d(48, 384, 4)
+
+        def run():
+            with CudaEmulation(), torch.autocast("cpu", dtype=torch.bfloat16):
+                return conv(x)
+        events = _trace(run)
+    casts = [n for s, n, op in events if s > 0 and op == "_to_copy.default"]
+    assert casts == [cuda_block_bytes(384 * 2), cuda_block_bytes(384 * 48 * 4 * 2), cuda_block_bytes(345 * 48 * 519 * 2)]
+
+
+def test_dropout_mask_is_allocated_before_its_output():
+    with FakeTensorMode():
+        x = torch.empty(345, 192, 516, dtype=torch.bfloat16)
+        events = _trace(lambda: torch.native_dropout(x, 0.1, True))
+    assert [n for s, n, _ in events if s > 0] == [cuda_block_bytes(x.numel()), cuda_block_bytes(x.numel() * 2)]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,transposed,dtype,recorded", [
+    # small bf16: the SwiGLU conv (48 -> 384) and deconv (192 -> 48), freq path
+    ((345, 48, 519), (384, 48, 4), False, torch.bfloat16, 154056243),
+    ((345, 192, 516), (192, 48, 4), True, torch.bfloat16, 85622835),
+    # ultra_safe fp32: the conv forward stages only its input and weight
+    ((518, 96, 1031), (768, 96, 4), False, torch.float32, 206257936),
+    ((518, 384, 1028), (384, 96, 4), True, torch.float32, 1023594387),
+])
+def test_cudnn_workspace_is_the_recorded_one(x_shape, w_shape, transposed, dtype, recorded):
+    with FakeTensorMode():
+        x, w = torch.empty(x_shape, dtype=dtype), torch.empty(w_shape, dtype=dtype)
+        conv = F.conv_transpose1d if transposed else F.conv1d
+        events = _trace(lambda: conv(x, w))
+    (_, out, _), (_, ws, op), (sign, freed, _) = events
+    assert op == "<cudnn workspace>" and sign < 0 and freed == ws      # right after the output, then freed
+    assert ws == cuda_block_bytes(recorded)
+
+
+def test_cudnn_workspace_kinds_of_a_convolution_backward():
+    """conv (48 -> 384, bf16) backward in the log: grad input + its workspace (x + w + y + 147), grad
+    weight + its workspace (the recorded 155530800: x + w + y + 1474704 of split-K sums), grad bias."""
+    with FakeTensorMode():
+        x = torch.empty(345, 48, 519, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(384, 48, 4, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.empty(384, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.empty(345, 384, 516, dtype=torch.bfloat16)
+        events = _backward_events(lambda: F.conv1d(x, w, b).backward(dy))
+    ops = [(s, op) for s, _, op in events if s > 0]
+    assert [op for _, op in ops][:5] == ["convolution_backward.default", "<cudnn workspace>",
+                                         "convolution_backward.default", "<cudnn workspace>",
+                                         "convolution_backward.default"]
+    dgrad, wgrad = [n for s, n, op in events if s > 0 and op == "<cudnn workspace>"]
+    assert dgrad == cuda_block_bytes(154056243)
+    assert wgrad == pytest.approx(155530800, abs=4 * 2**20)     # split-K sums: booked, not derived
+
+
+def test_cublas_workspace_once_per_thread_after_the_first_gemm():
+    with FakeTensorMode():
+        a = torch.empty(64, 32, requires_grad=True)
+        w = torch.empty(32, 16, requires_grad=True)
+
+        def run():
+            y = (a @ w) @ w.t()          # two GEMMs in the main thread: one workspace
+            y.sum().backward()           # GEMMs in autograd's thread: its own workspace
+        events = _trace(run, workspace=2**20)
+    ops = [op for s, _, op in events if s > 0]
+    assert ops.count("<cublas workspace: main thread>") == 1
+    assert ops.count("<cublas workspace: autograd thread>") == 1
+    first = ops.index("mm.default")
+    assert ops[first + 1] == "<cublas workspace: main thread>"
+    assert not any(s < 0 and op.startswith("<cublas") for s, _, op in events)    # kept for the process
+
+
+def test_irfft_clones_its_input_and_col2im_keeps_an_input_sized_block():
+    """The log's iSTFT (small): +11304960 (irfft out), +11327040 (clone), +11327040 (reshape copy),
+    both freed; the fold's output keeps the 11304960 B block of its non-contiguous input's size."""
+    with FakeTensorMode():
+        spec = torch.empty(8, 513, 345, dtype=torch.complex64)
+
+        def run():
+            frames = torch.fft.irfft(spec, n=1024, dim=1) * torch.empty(1024)[:, None]
+            return F.fold(frames, output_size=(1, 1024 + 256 * 344), kernel_size=(1, 1024), stride=(1, 256))
+        events = _trace(run)
+    big = [(s, n) for s, n, _ in events if n > 10**6]
+    assert big[:5] == [(1, 11304960), (1, 11327488), (1, 11327488), (-1, 11327488), (-1, 11327488)]
+    fold = [(s, n, op) for s, n, op in events if op in ("col2im.default", "<contiguous input>")]
+    assert fold[:3] == [(1, 11304960, "col2im.default"), (1, 11304960, "<contiguous input>"),
+                        (-1, 11304960, "<contiguous input>")]
+
+
+def test_gradients_of_one_input_are_summed_in_place():
+    """autograd's InputBuffer adds a second gradient into the first's block (real tensors); fake
+    tensors (subclasses) make it allocate: the op model books the sum in the first's block."""
+    def run():
+        h = x * 3
+        ((h * 2).sum() + (h * 5).sum()).backward()
+    with FakeTensorMode():
+        x = torch.empty(1000, 1000, requires_grad=True)
+        plain = StorageTracker(cuda_block_bytes)
+        with plain:
+            run()
+        plain.stop()
+        x.grad = None
+        modelled = _trace(run)
+    adds = [a for k, a in plain.timeline.allocations.items() if a.op == "add.Tensor" and a.phase == "backward"]
+    assert len(adds) == 1                                             # the out-of-place sum, fake-tensor style
+    assert not [1 for s, n, op in modelled if s > 0 and op == "add.Tensor" and n == adds[0].nbytes]
+
+
+def test_flash_backward_allocates_as_recorded():
+    """The time-path attention of `small` (bf16, 513 x 4 heads x 345, head dim 12 padded to 16) in the
+    log's backward: slice_backward's padded gradient, contiguous copies of dout and out, dq/dk/dv,
+    softmax_d [B, H, 384] and dq_accum [B, 384, H, 32] fp32, in this order."""
+    with FakeTensorMode():
+        q, k, v = (torch.empty(513, 4, 345, 12, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.empty(513, 345, 4, 12, dtype=torch.bfloat16).transpose(1, 2)   # as the reshape gives it
+        events = _backward_events(lambda: fused_attention(q, k, v, "flash", 0.1).backward(grad))
+    big = [n for s, n, _ in events if s > 0 and n > 10**6]
+    assert big[:8] == [cuda_block_bytes(n) for n in [22654080] * 6 + [3151872, 100859904]]
+
+
+@pytest.mark.parametrize("B,L,recorded", [(518, 1025, 577673600), (2050, 259, 672400000)])
+def test_efficient_backward_workspace_is_the_recorded_one(B, L, recorded):
+    """ultra_safe fp32 (4 heads, head dim 24): the cutlass backward's workspace in the log."""
+    from tiersep.memory.cuda_model import efficient_backward_workspace
+
+    assert efficient_backward_workspace(B, 4, L, 24, torch.float32) == recorded

@@ -75,11 +75,60 @@ def test_tracker_counts_allocations_frees_and_not_views():
     assert tracker.timeline.replay()[0] == 8192
 
 
-def test_fake_trace_equals_real_run():
+def test_fake_and_real_tensors_dispatch_alike():
+    """Fake tensors reach the tracker as real ones do (the same ops, storages and frees). This checks
+    the counting only; how close a trace is to a GPU run is tests/test_memory_cuda_accuracy.py's."""
     real, fake = run_step(fake=False), run_step(fake=True)
     assert fake.peak_bytes == real.peak_bytes
     assert len(fake.timeline.events) == len(real.timeline.events)
     assert fake.peak_bytes > 0
+
+
+def test_op_model_plans_order_sizes_and_internal_buffers():
+    """An op model reorders an op's outputs, books a block size for one, and adds kernel-internal
+    buffers; a view of a booked output is the same allocation."""
+    def op_model(func, args, kwargs, outputs, tracker):
+        if func._opname == "native_dropout":
+            return [("out", 1), ("alloc", "scratch", 4096, "<scratch>"), ("free", "scratch"), ("out", 0, 8192)]
+        return None
+
+    with FakeTensorMode():
+        x = torch.empty(1000)
+        tracker = StorageTracker(cuda_block_bytes, op_model=op_model)
+        with tracker:
+            out, mask = torch.native_dropout(x, 0.5, True)
+            view = out.view(10, 100)
+        tracker.stop()
+    tl = tracker.timeline
+    assert [(tl.allocations[k].op, s, tl.allocations[k].nbytes) for k, s in tl.events] == [
+        ("native_dropout.default", 1, 1024),        # the bool mask first
+        ("<scratch>", 1, 4096), ("<scratch>", -1, 4096),
+        ("native_dropout.default", 1, 8192)]        # the output, at the booked size
+    assert tracker.key_of(view) == tracker.key_of(out)
+    assert len(tl.phases) == len(tl.events)
+
+
+def test_accumulate_takes_over_the_operand_freed_right_after():
+    """("accumulate", i, operand): the output lives in operand's block when operand is freed next."""
+    def op_model(func, args, kwargs, outputs, tracker):
+        return [("accumulate", 0, args[0])] if func._opname == "add" else None
+
+    with FakeTensorMode():
+        tracker = StorageTracker(cuda_block_bytes, op_model=op_model)
+        with tracker:
+            a = torch.empty(1000)
+            b = torch.empty(1000)
+            first = tracker.key_of(a)
+            a = a + b            # the old a dies right after: the sum takes its block
+            c = a + b            # a outlives it (d comes first): a block of its own
+            d = torch.empty(10)
+            del a
+        tracker.stop()
+    tl = tracker.timeline
+    allocs = [k for k, s in tl.events if s > 0]
+    assert len(allocs) == 4                       # a, b, c, d
+    assert tracker.key_of(c) == allocs[2] and (first, -1) in tl.events
+    assert tl.events.count((first, -1)) == 1 and d.numel() == 10
 
 
 def test_phases_are_labelled():

@@ -1,28 +1,30 @@
-"""Make a CPU fake-tensor trace allocate what a CUDA run would: autocast dtypes and SDPA kernels.
+"""Make a CPU fake-tensor trace allocate what a CUDA run allocates, in the order it allocates it.
 
 Fake CUDA tensors cannot run autograd without a GPU (the engine initialises the device), so the
-trace runs on fake CPU tensors and this TorchFunctionMode (above autograd, so autograd saves what it
-would save on CUDA) corrects the two places where CPU and CUDA differ in memory:
+trace runs on fake CPU tensors. Two layers correct where CPU and CUDA differ in memory:
 
+`CudaEmulation`, a TorchFunctionMode above autograd (so autograd saves what it saves on CUDA):
 1. Autocast. CPU and CUDA autocast have different op lists (e.g. CUDA runs group_norm, softmax,
    sum, pow, exp and the losses in fp32; CPU autocasts stft and cat and leaves group_norm alone).
    The trace keeps CPU autocast on as the *state* (so `torch.autocast(x.device.type, enabled=False)`
    in the model still opts out) but applies CUDA's *policy*: each call in an autocast region has its
-   floating tensors cast per CUDA's list below, then runs with CPU autocast off. Every op with an
-   AutocastCUDA kernel in this torch build must be in one of the lists (tests check it), so a torch
-   upgrade that adds an op is caught rather than silently mis-modelled.
-
+   floating tensors cast per CUDA's list below, last argument first (the autocast wrapper's
+   `cached_cast(args)...` pack is evaluated right to left by GCC), then runs with CPU autocast off.
+   Every op with an AutocastCUDA kernel in this torch build must be in one of the lists (tests check
+   it), so a torch upgrade that adds an op is caught rather than silently mis-modelled.
 2. dropout: CUDA runs the fused native_dropout (output plus a bool mask for backward); CPU
    multiplies by a noise tensor of the input's dtype. nn.Dropout and F.dropout calls are modelled
    with native_dropout.
+3. scaled_dot_product_attention: CUDA picks a fused kernel (flash for fp16/bf16, memory-efficient
+   for fp32) where CPU may take the math path. The call is replaced by a model of torch's CUDA code
+   (aten/src/ATen/native/transformers/cuda): the same tensors, layouts and order of allocation.
 
-3. scaled_dot_product_attention. CUDA picks a fused kernel (flash for fp16/bf16, memory-efficient
-   for fp32; cuDNN attention on some Hopper builds, which keeps the same O(L) state as flash) where
-   CPU may take the math path (always when dropout > 0). The call is replaced by a kernel model:
-   fused kernels allocate their output and an fp32 logsumexp of O(L) (flash pads the head dim to a
-   multiple of 8 with copies), and in backward dq/dk/dv plus their fp32 scratch; math materialises
-   the B*H*L*L scores in fp32 (torch's math path upcasts fp16/bf16) with CUDA's fused dropout
-   (bool mask) rather than CPU's float noise tensor.
+`CudaKernelMemory`, the tracker's op model below autograd (one aten op at a time): memory a CUDA
+kernel allocates that the CPU kernel does not, and the order of its outputs: cuDNN convolution
+workspaces, cuBLAS workspaces (one per thread that runs a GEMM: the main thread and autograd's
+device thread), cuFFT's input clones, col2im/im2col's input-sized outputs, native_dropout's mask
+before its output, and the in-place gradient accumulation of autograd's InputBuffer (fake tensors
+are tensor subclasses, for which autograd never accumulates in place).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 # CUDA autocast policy, by aten op name (aten/src/ATen/autocast_mode.cpp, CUDA registrations).
@@ -79,9 +81,39 @@ def cuda_autocast_ops() -> set[str]:
 def _eligible(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
+# Python-level names (torch.*, Tensor methods, torch.nn.functional) that differ from the aten name.
+_ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
+
+
+def policy_of(name: str) -> str | None:
+    name = _ALIASES.get(name, name)
+    for label, names in (("lower", LOWER_PRECISION), ("fp32", FP32), ("fp32_output", FP32_OUTPUT),
+                         ("promote", PROMOTE)):
+        if name in names:
+            return label
+    return None
+
+
+def cuda_autocast_ops() -> set[str]:
+    """Names of the aten ops this torch build registers an AutocastCUDA kernel for."""
+    regs = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+    return {r.split("::", 1)[1].split(".", 1)[0] for r in regs}
+
+
+def _eligible(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
 
 # ------------------------------------------------------------------------------------------------
-# SDPA kernel models
+# SDPA kernel choice and models
 # ------------------------------------------------------------------------------------------------
 def choose_cuda_backend(requested: str, dtype: torch.dtype, head_dim: int, has_mask: bool) -> str:
     """The SDPA kernel CUDA runs (sm80+), or ConfigError when the requested one cannot run."""
@@ -114,49 +146,110 @@ def modelled_backend(preset: dict, device: str) -> str:
     return m["attention_backend"]
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-class _FusedAttention(torch.autograd.Function):
-    """Memory model of a fused SDPA kernel (values are not computed: the trace only needs sizes)."""
+class _FlashAttention(torch.autograd.Function):
+    """_scaled_dot_product_flash_attention on CUDA (FlashAttention-2, flash_attn/flash_api.cpp):
+    q, k, v [B, H, L, D] with D a multiple of 8 (the caller pads, as torch does). Sizes and layouts
+    only: no values are computed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kind: str):
+    def forward(ctx, q, k, v, dropout_p: float):
+        B, H, L, _ = q.shape
+        # mha_fwd on q.transpose(1, 2): out = empty_like keeps q's [B, H, L, D] memory layout
+        out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(B, H, L, v.shape[-1])
+        lse = q.new_empty(B, H, L, dtype=torch.float32)
+        rng_state = q.new_empty(2, dtype=torch.int64)
+        unused = q.new_empty((), dtype=torch.int64)
+        if dropout_p > 0:   # a fresh rng_state replaces the first
+            rng_state = q.new_empty(2, dtype=torch.int64)
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, _, _ = ctx.saved_tensors
         B, H, L, D = q.shape
+        # _flash_attention_backward: the kernel wants [B, L, H, D] with a contiguous dout and out
+        dout = grad_out.transpose(1, 2).contiguous()
+        out_t = out.transpose(1, 2).contiguous()
+        dq = torch.empty_like(q.transpose(1, 2))
+        dk = torch.empty_like(k.transpose(1, 2))
+        dv = torch.empty_like(v.transpose(1, 2))
+        softmax_d = q.new_empty(B, H, _round_up(L, 128), dtype=torch.float32)
+        dq_accum = q.new_empty(B, _round_up(L, 128), H, _round_up(D, 32 if D <= 128 else 64),
+                               dtype=torch.float32)
+        del dq_accum, softmax_d, out_t, dout   # mha_bwd's and then the wrapper's locals
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+
+
+# cutlass memory-efficient backward (mem_eff_attention/kernel_backward.h), the kernel torch picks for
+# sm80+: 64x64 blocks for a head dim up to 64 (128x64 above), split keys enabled.
+_EFF_BLOCK_I, _EFF_BLOCK_J = 64, 64
+
+
+def efficient_backward_workspace(B: int, H: int, L: int, D: int, dtype: torch.dtype) -> int:
+    """Bytes of the cutlass backward's workspace: per (batch, head), a grad-Q accumulator tile
+    (64 x 64 fp32 plus a 16-byte lock) for each block of 64 queries and 64 head-dim columns
+    (kNeedsAccumGradQ: split keys); grad-K/V accumulators for fp16/bf16 outside registers."""
+    block_i = _EFF_BLOCK_I if D <= 64 else 128
+    half = dtype in (torch.float16, torch.bfloat16)
+    gq = math.ceil(L / block_i) * math.ceil(D / _EFF_BLOCK_J) * (16 + block_i * _EFF_BLOCK_J * 4) // 4
+    gkv = 0
+    if half and D > block_i:    # kNeedsAccumGradK/V: output not kept in registers
+        gkv = 2 * _round_up(L, _EFF_BLOCK_J) * _round_up(D, block_i)
+    return B * H * _round_up(gq + gkv, 4) * 4
+
+
+class _EfficientAttention(torch.autograd.Function):
+    """_scaled_dot_product_efficient_attention on CUDA (cutlass, attention.cu and
+    attention_backward.cu): q, k, v [B, H, L, D]; sizes and layouts only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p: float):
+        B, H, L, _ = q.shape
         Dv = v.shape[-1]
-        if kind == "flash" and D % 8:
-            # at::scaled_dot_product_attention pads the head dim to a multiple of 8 for flash
-            pad = _round_up(D, 8) - D
-            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-        # Both kernels write the output as [B, L, H, D] and hand it back transposed.
-        out = q.new_empty(B, L, H, v.shape[-1]).transpose(1, 2)
-        lse_len = L if kind == "flash" else _round_up(L, 32)
-        lse = q.new_empty(B, H, lse_len, dtype=torch.float32)
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        out = q.new_empty(B, L, H, Dv)                       # [B, M, num_heads, Kv], handed back transposed
+        lse = q.new_empty(B, H, _round_up(L, 32), dtype=torch.float32)   # kAlignLSE = 32
+        if half and Dv > _EFF_BLOCK_J:   # kNeedsOutputAccumulatorBuffer: more than one value iteration
+            accum = q.new_empty(B, L, H, Dv, dtype=torch.float32)
+            del accum
+        # the dropout seed and offset are host scalars outside CUDA graph capture
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kind, ctx.head_dims = kind, (D, Dv)
-        return out[..., :Dv]
+        ctx.dropout_p = dropout_p
+        return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        B, H, L, Dp = q.shape
-        D, Dv = ctx.head_dims
-        if ctx.kind == "flash":
-            if grad_out.shape[-1] != out.shape[-1]:
-                grad_out = F.pad(grad_out, (0, out.shape[-1] - grad_out.shape[-1]))
-            # FA2 backward: fp32 dq accumulator and softmax row sums, rows rounded to 128
-            scratch = [q.new_empty(B, _round_up(L, 128), H, _round_up(Dp, 32), dtype=torch.float32),
-                       q.new_empty(B, H, _round_up(L, 128), dtype=torch.float32)]
-        else:
-            # cutlass memory-efficient backward: delta = rowsum(dO * O) and an fp32 grad_q accumulator
-            scratch = [q.new_empty(B, H, _round_up(L, 32), dtype=torch.float32),
-                       q.new_empty(B, H, L, Dp, dtype=torch.float32)]
-        dq = q.new_empty(B, L, H, Dp).transpose(1, 2)
-        dk = k.new_empty(B, k.shape[2], H, Dp).transpose(1, 2)
-        dv = v.new_empty(B, v.shape[2], H, v.shape[-1]).transpose(1, 2)
-        del scratch
-        return dq[..., :D], dk[..., :D], dv[..., :Dv], None
+        B, H, L, D = q.shape
+        dout = grad_out.transpose(1, 2).contiguous()          # [B, L, H, Dv]
+        dq = q.new_empty(B, L, H, D)
+        dk = k.new_empty(B, k.shape[2], H, D)
+        dv = v.new_empty(B, v.shape[2], H, v.shape[-1])
+        if q.dtype in (torch.float16, torch.bfloat16):      # kKernelComputesDelta
+            delta = q.new_empty(B, H, L, dtype=torch.float32)
+        else:   # (dout.float() * out.float()).sum(-1).transpose(-2, -1).contiguous(), one expression
+            product = dout * out
+            rowsum = product.sum(-1)
+            delta = rowsum.transpose(-2, -1).contiguous()
+            del rowsum, product
+        workspace = q.new_empty(efficient_backward_workspace(B, H, L, D, q.dtype), dtype=torch.uint8)
+        del delta, workspace, dout
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+
+
+def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0):
+    """at::scaled_dot_product_attention with a fused CUDA kernel, on [B, H, L, D] inputs: flash
+    pads the head dim to a multiple of 8 (at::pad, so backward slices it off again) and slices the
+    output back (slice, whose backward pads the gradient)."""
+    if kind == "flash":
+        D, Dv = q.shape[-1], v.shape[-1]
+        pad = (-D) % 8
+        if pad:
+            q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, (-Dv) % 8))
+        out = _FlashAttention.apply(q, k, v, dropout_p)
+        return out[..., :Dv] if out.shape[-1] != Dv else out
+    return _EfficientAttention.apply(q, k, v, dropout_p)
 
 
 def math_attention_cuda(q, k, v, dropout_p: float, scale: float | None):
@@ -250,26 +343,33 @@ class CudaEmulation(TorchFunctionMode):
         return x.copy_(out) if bound.get("inplace", False) else out
 
     def _cast(self, args, kwargs, dtype_for):
+        """Cast the eligible tensors of a call, the last argument first (see module docstring).
+        Casts of leaf parameters are cached for the autocast region, as CUDA autocast does; not in
+        backward (a checkpoint's recomputation runs under an autocast region of its own there)."""
+        cache = None if _in_backward() else self._cast_cache
+
         def cast(t):
             if not _eligible(t):
                 return t
             dtype = dtype_for(t)
             if t.dtype == dtype:
                 return t
-            if t.is_leaf and t.requires_grad:
-                cached = self._cast_cache.get(t)
+            if cache is not None and t.is_leaf and t.requires_grad:
+                cached = cache.get(t)
                 if cached is None or cached.dtype != dtype:
-                    cached = self._cast_cache[t] = t.to(dtype)
+                    cached = cache[t] = t.to(dtype)
                 return cached
             return t.to(dtype)
+        leaves, spec = tree_flatten((args, kwargs))
         with torch.autocast("cpu", enabled=False):
-            return tree_map(cast, args), tree_map(cast, kwargs)
+            cast_leaves = [cast(t) for t in reversed(leaves)][::-1]
+        return tree_unflatten(cast_leaves, spec)
 
     def _sdpa(self, target, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
               scale=None, enable_gqa=False):
         with torch.autocast("cpu", enabled=False):
             if target is not None:     # SDPA is on CUDA's lower-precision list
-                query, key, value = (self._cast((t,), {}, lambda _: target)[0][0] for t in (query, key, value))
+                query, key, value = self._cast((query, key, value), {}, lambda _: target)[0]
             kind = choose_cuda_backend(self.requested_backend, query.dtype, query.shape[-1],
                                        attn_mask is not None or is_causal)
             self.kernels_used[kind] = self.kernels_used.get(kind, 0) + 1
@@ -280,11 +380,212 @@ class CudaEmulation(TorchFunctionMode):
             lead = query.shape[:-2]
             if query.dim() != 4:   # fused kernels take [B, H, L, D]; fold other leading dims
                 query, key, value = (t.reshape(-1, 1, *t.shape[-2:]) for t in (query, key, value))
-            out = _FusedAttention.apply(query, key, value, kind)
+            out = fused_attention(query, key, value, kind, dropout_p)
             return out.reshape(*lead, *out.shape[-2:])
 
 
 def _tensors(args, kwargs):
-    out = []
-    tree_map(lambda t: out.append(t) if isinstance(t, torch.Tensor) else None, (args, kwargs))
-    return out
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel-internal memory (the tracker's op model)
+# ------------------------------------------------------------------------------------------------
+# aten ops that run a cuBLAS routine: the first one on a thread creates that thread's handle and
+# its workspace (CUBLAS_WORKSPACE_CONFIG), which lives as long as the process.
+CUBLAS_OPS = frozenset("mm addmm bmm baddbmm addbmm addmv mv dot vdot _addmm_activation".split())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _collapsible(sizes, strides) -> bool:
+    """Whether dims (outermost first) can be viewed as one (reshape without a copy)."""
+    dims = [(n, s) for n, s in zip(sizes, strides) if n != 1]
+    return all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1))
+
+
+def _fft_needs_copy(t: torch.Tensor, dims) -> bool:
+    """_exec_fft permutes the batch dims first (by stride) and reshapes them into one: a copy
+    unless they collapse, or unless every non-transformed dim has size 1."""
+    dims = {d % t.dim() for d in dims}
+    batch = sorted((d for d in range(t.dim()) if d not in dims), key=lambda d: -t.stride(d))
+    return not _collapsible([t.shape[d] for d in batch], [t.stride(d) for d in batch])
+
+
+def _conv_bytes(x, w, y) -> tuple[int, int, int]:
+    return _nbytes(x), _nbytes(w), _nbytes(y)
+
+
+MIB = 2**20
+
+
+def cudnn_workspace(kind: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes of the workspace cuDNN's heuristics-chosen engine asks for (torch.backends.cudnn
+    benchmark off). kind: fwd (x * w -> y), dgrad (dy * w -> dx) or wgrad (x, dy -> dw), named as for
+    the convolution (x, w, y).
+
+    Read off the H100 event logs in tests/data/gpu (bench/trace_vs_events.py lists every
+    convolution with the workspace it got): the engines cuDNN 9 picks on Hopper stage the operands
+    in the workspace, so it is about x + w + y bytes (bf16 and fp32/TF32 alike), except fp32 forward
+    (x + w) and a transposed 2-D convolution's forward (a few MiB); the weight gradient adds split-K
+    partial sums (1.5-4.1 MiB seen in bf16, 7.9-8.7 MiB in fp32; booked as 4 and 8 MiB). These are
+    fits to what was seen, not cuDNN's rules: other GPUs and cuDNN versions pick other engines."""
+    nx, nw, ny = _conv_bytes(x, w, y)
+    half = x.dtype in (torch.float16, torch.bfloat16)
+    staged = nx + nw + ny
+    if x.dim() == 3:                        # 1-D convolutions (run as 2-D with height 1)
+        if kind == "fwd":
+            return staged + 147 if half else nx + nw + 16
+        if kind == "dgrad":
+            return staged + 147
+        return staged + (4 if half else 8) * MIB
+    # 2-D (the encoder and decoder, fp32)
+    if kind == "fwd":
+        return staged + 147 if x.shape[1] > 4 else nx + nw + 16
+    if kind == "dgrad":
+        return 6 * MIB
+    return staged + 6 * MIB if x.shape[0] > 1 and x.shape[1] > 4 else 0
+
+
+class CudaKernelMemory:
+    """The StorageTracker op model for CUDA (see the module docstring and tracker.py)."""
+
+    def __init__(self, cublas_workspace_bytes: int):
+        self.cublas_workspace_bytes = cublas_workspace_bytes
+        self.workspaces_created: list[str] = []
+        self._handlers = {
+            "native_dropout": self._native_dropout,
+            "convolution": self._convolution,
+            "convolution_backward": self._convolution_backward,
+            "_fft_r2c": self._fft, "_fft_c2c": self._fft, "_fft_c2r": self._fft,
+            "col2im": self._col2im, "im2col": self._im2col,
+            "add": self._add,
+            "_safe_softmax": self._safe_softmax,
+        }
+
+    def __call__(self, func, args, kwargs, outputs, tracker):
+        name = func._opname
+        handler = self._handlers.get(name)
+        plan = handler(func, args, kwargs, outputs) if handler is not None else None
+        if name in CUBLAS_OPS:
+            thread = "autograd thread" if _in_backward() else "main thread"
+            if thread not in self.workspaces_created:
+                self.workspaces_created.append(thread)
+                # the handle is created after the output is allocated, and keeps its workspace
+                plan = (plan or [("out", i) for i in range(len(outputs))]) + [
+                    ("alloc", f"cublas workspace ({thread})", self.cublas_workspace_bytes,
+                     f"<cublas workspace: {thread}>")]
+        return plan
+
+    @staticmethod
+    def _native_dropout(func, args, kwargs, outputs):
+        return [("out", 1), ("out", 0)]        # dropout_cuda allocates the mask first
+
+    @staticmethod
+    def _workspace(plan, label, nbytes):
+        if nbytes > 0:
+            plan += [("alloc", label, nbytes, f"<{label}>"), ("free", label)]
+        return plan
+
+    def _convolution(self, func, args, kwargs, outputs):
+        x, w, transposed = args[0], args[1], args[6]
+        y = outputs[0]
+        # a transposed convolution runs cuDNN's backward-data on its input
+        ws = cudnn_workspace("dgrad", y, w, x) if transposed else cudnn_workspace("fwd", x, w, y)
+        return self._workspace([("out", 0)], "cudnn workspace", ws)
+
+    def _convolution_backward(self, func, args, kwargs, outputs):
+        dy, x, w, transposed = args[0], args[1], args[2], args[7]
+        plan = []
+        if outputs[0] is not None:
+            ws = cudnn_workspace("fwd", dy, w, x) if transposed else cudnn_workspace("dgrad", x, w, dy)
+            plan.append(("out", 0))
+            self._workspace(plan, "cudnn workspace", ws)
+        if outputs[1] is not None:
+            ws = cudnn_workspace("wgrad", dy, w, x) if transposed else cudnn_workspace("wgrad", x, w, dy)
+            plan.append(("out", 1))
+            self._workspace(plan, "cudnn workspace", ws)
+        return plan
+
+    @staticmethod
+    def _fft(func, args, kwargs, outputs):
+        """cuda/SpectralOps.cpp: c2r clones its input (cuFFT overwrites it); _exec_fft copies an
+        input whose batch dims do not collapse into one."""
+        x, dims = args[0], args[1]
+        plan = [("out", 0)]
+        temps = []
+        if func._opname == "_fft_c2r":
+            temps.append(_nbytes(x))
+            copy = _fft_needs_copy(x.contiguous(), dims)
+        else:
+            copy = _fft_needs_copy(x, dims)
+        if copy:
+            temps.append(_nbytes(x))
+        for i, n in enumerate(temps):
+            plan.append(("alloc", f"fft temp {i}", n, "<cufft input copy>"))
+        for i in reversed(range(len(temps))):
+            plan.append(("free", f"fft temp {i}"))
+        return plan
+
+    @staticmethod
+    def _col2im(func, args, kwargs, outputs):
+        """col2im_cuda: output = empty_like(input), resized down in place (the block keeps the
+        input's size); input.contiguous() meanwhile."""
+        x, y = args[0], outputs[0]
+        plan = [("out", 0, max(_nbytes(x), _nbytes(y)))]
+        if not x.is_contiguous():
+            plan += [("alloc", "col2im input", _nbytes(x), "<contiguous input>"), ("free", "col2im input")]
+        return plan
+
+    @staticmethod
+    def _im2col(func, args, kwargs, outputs):
+        """im2col_cuda: output = empty_like(input), then resized up (a new block, the first freed)."""
+        x, y = args[0], outputs[0]
+        grows = _nbytes(y) > _nbytes(x)
+        plan = [("alloc", "im2col first output", _nbytes(x), "<empty_like input>") if grows
+                else ("out", 0, _nbytes(x))]
+        if not x.is_contiguous():
+            plan.append(("alloc", "im2col input", _nbytes(x), "<contiguous input>"))
+        if grows:
+            plan += [("out", 0), ("free", "im2col first output")]
+        if not x.is_contiguous():
+            plan.append(("free", "im2col input"))
+        return plan
+
+    @staticmethod
+    def _safe_softmax(func, args, kwargs, outputs):
+        """at::_safe_softmax (the math SDPA path) is composite below autograd: softmax, then
+        where(all(self == -inf, dim), 0, softmax), all of it alive until the where returns."""
+        x, y = args[0], outputs[0]
+        rows = list(x.shape)
+        rows[args[1] % x.dim()] = 1
+        plan = [("alloc", "softmax", _nbytes(y), "<softmax>"),
+                ("alloc", "-inf", 4, "<scalar>"),
+                ("alloc", "masked", x.numel(), "<softmax: self == -inf>"),
+                ("alloc", "masked rows", math.prod(rows), "<softmax: masked rows>"),
+                ("alloc", "zero", y.element_size(), "<scalar>"),
+                ("out", 0)]
+        return plan + [("free", name) for name in ("zero", "masked rows", "masked", "-inf", "softmax")]
+
+    @staticmethod
+    def _add(func, args, kwargs, outputs):
+        """autograd's InputBuffer sums two gradients for one input in place (old.add_(new)) when it
+        holds the last reference to a dense `old`; for a fake tensor it never does. The tracker
+        books the sum in old's block when old is freed right after the add."""
+        if (func._overloadname != "Tensor" or torch.is_grad_enabled() or not _in_backward()
+                or kwargs.get("alpha", 1) != 1 or len(args) != 2):
+            return None
+        old, new = args
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape \
+                or old.dtype != new.dtype or outputs[0].shape != old.shape:
+            return None
+        import torch._prims_common as prims
+        if not prims.is_non_overlapping_and_dense_or_false(old):
+            return None
+        # autograd also needs the last reference to old's storage: here one more is counted, that
+        # of the Python storage object this query makes
+        if torch._C._storage_Use_Count(old.untyped_storage()._cdata) > 2:
+            return None
+        return [("accumulate", 0, old)]

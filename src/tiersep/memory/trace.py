@@ -1,19 +1,24 @@
-"""The `trace` method: one real training step of the real model, on fake tensors, counted.
+"""The `trace` method: real training steps of the real model, on fake tensors, counted.
 
 The model, loss and AdamW are built under FakeTensorMode (no memory is allocated, so even the xlarge
 preset traces in seconds with a few hundred MiB of RAM) and the trainer's own `train_step` runs a
 whole optimisation step on fake inputs of the preset's micro-batch shape, under a StorageTracker.
-For device `cuda`, CudaEmulation applies CUDA's autocast policy and SDPA kernels, the host-side
-AdamW step counters are left out, and the timeline is replayed through the caching-allocator model.
+For device `cuda`, CudaEmulation applies CUDA's autocast policy and SDPA kernels, CudaKernelMemory
+adds what CUDA kernels allocate internally, the host-side AdamW step counters are left out, and the
+timeline is replayed through the caching-allocator model.
 
-Steady state, not the first step: AdamW's state (exp_avg, exp_avg_sq) is created before the traced
-step, as it exists in every step after the first. With grad_accum > 1, two micro-batches are traced
-(the second is the first that runs with the gradients of the previous one alive; later ones repeat
-it) while every micro-batch's inputs are resident, as the trainer moves them all to the device.
+The timeline follows the real run (memory/workload.py, as memory/measure.py runs it): the weights
+moved to the device one by one, the AdamW state created by one step on zero gradients, every
+micro-batch's inputs made resident (0.1 * randn), then `steps` training steps. The first step is
+traced; later ones repeat its events, after freeing what it left (the gradients, which the next
+step's zero_grad frees first), so that the allocator sees the steady state a long run reaches.
+With gradient accumulation, up to three micro-batches are traced: the first creates the gradients,
+the later ones add to them, and micro-batches beyond the third repeat the third's events.
 """
 from __future__ import annotations
 
 import contextlib
+import difflib
 import warnings
 from dataclasses import dataclass, field
 
@@ -21,15 +26,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import allocator
-from .cuda_model import CudaEmulation
-from .tracker import FORWARD, SETUP, Allocation, StorageTracker, cpu_block_bytes, cuda_block_bytes
+from .cuda_model import CudaEmulation, CudaKernelMemory
+from .tracker import FORWARD, UPDATE, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
 from tiersep.train.step import train_step
 
-# In torch's counters: the cuBLAS workspace torch allocates through the caching allocator for its
-# handle on the first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB before). A
-# device calibration that measured it replaces this default (trace_step's `workspace_bytes`).
+# In torch's counters: the cuBLAS workspace torch allocates through the caching allocator for each
+# thread's handle on its first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB
+# before). A device calibration that measured it replaces this default (`workspace_bytes`).
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# Training steps replayed through the allocator model: the caching allocator's segments reach their
+# steady state within three steps (bench/trace_vs_events.py), as in the shared H100 measurements.
+STEPS = 3
+# Micro-batches traced: the first creates the gradients, the second accumulates into them; the third
+# is the template later ones repeat (its events refer to the second's as theirs to the one before).
+TRACED_MICRO_BATCHES = 3
 
 
 @dataclass
@@ -47,17 +58,39 @@ class TraceResult:
     kernels: dict
     micro_batches_traced: int
     events: int
+    steps: int = 1                  # training steps replayed (cuda)
+    expandable_segments: bool = False
     notes: list = field(default_factory=list)
 
 
+@dataclass
+class RecordedStep:
+    """Setup and one training step, as recorded; keys name the timeline's allocations."""
+    timeline: Timeline
+    step_start: int                 # index of the step's first event
+    parameters: int
+    weights: set
+    optimizer: set
+    host: set                       # AdamW's step counters: host memory on CUDA
+    inputs: set
+    gradients: set
+    persistent: set                 # allocated once per process (cuBLAS workspaces)
+    micro_batches: int
+    emulation: CudaEmulation | None
+
+
 @contextlib.contextmanager
-def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | None, dtype):
-    """Mark the forward phase; for CUDA emulation, hold CPU autocast on around model.forward as
-    train_step holds CUDA autocast (the trace's tensors are CPU tensors)."""
+def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | None, dtype,
+                   starts: list | None = None):
+    """Mark the forward phase (and each forward's first event index in `starts`); for CUDA
+    emulation, hold CPU autocast on around model.forward as train_step holds CUDA autocast (the
+    trace's tensors are CPU tensors)."""
     state = {}
 
     def pre(module, args):
         tracker.phase = FORWARD
+        if starts is not None:
+            starts.append(len(tracker.timeline.events))
         if emulation is not None and dtype is not None:
             state["ctx"] = torch.autocast("cpu", dtype=dtype)
             state["ctx"].__enter__()
@@ -75,96 +108,219 @@ def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | No
             h.remove()
 
 
-def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
-               workspace_bytes: int = CUBLAS_WORKSPACE_BYTES) -> TraceResult:
-    """Trace one steady-state training step of `preset` as it would run on `device` (cuda|cpu).
-    `workspace_bytes`: the cuBLAS workspace of the device calibration."""
+def _move_order(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers in the order model.to(device) copies them (Module._apply: children
+    first, then the module's own parameters and buffers)."""
+    out = []
+    for child in model.children():
+        out += _move_order(child)
+    return out + list(model._parameters.values()) + list(model._buffers.values())
+
+
+def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
+                workspace_bytes: int = CUBLAS_WORKSPACE_BYTES) -> RecordedStep:
+    """Record the setup and one training step of `preset` as they would run on `device`."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
     t = preset["train"]
-    traced = min(t["grad_accum"], 2)
     bf16 = torch.bfloat16 if t["precision"] == "bf16" else None
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
-    tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes)
+    kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
+    tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
+    tracker.recording = False
+
+    def build(p):
+        # the model is built on the host; the device sees its weights arrive one by one
+        from tiersep.model import build_loss, build_model
+
+        model, loss_fn = model_and_loss(p) if model_and_loss else (build_model(p), build_loss(p))
+        tracker.register([x for x in _move_order(model) if x is not None])
+        tracker.recording = True
+        return model, loss_fn
 
     with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*autocast.*")
         torch.manual_seed(0)
-        work = build_workload(preset, device, torch.empty, model_and_loss, move=False)
-        model, loss_fn, optimizer, params, inputs = work.model, work.loss_fn, work.optimizer, work.params, work.inputs
-
-        weight_keys = set(tracker.register(params + list(model.buffers())))
-        state = work.optimizer_state()
-        host = [s["step"] for s in optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
-        optimizer_keys = set(tracker.register(state))
-        # AdamW keeps its step counters on the host unless capturable/fused: not GPU memory.
-        host_keys = {tracker.key_of(h) for h in host} if device == "cuda" else set()
-        input_keys = set(tracker.register([x for pair in inputs for x in pair]))
+        with tracker:
+            work = build_workload(preset, device, lambda *shape: 0.1 * torch.randn(shape), build, move=False)
+        model, optimizer, params = work.model, work.optimizer, work.params
+        weights = {tracker.key_of(x) for x in params + list(model.buffers())}
+        optimizer_keys = {tracker.key_of(x) for x in work.optimizer_state()}
+        host = {tracker.key_of(s["step"]) for s in optimizer.state.values()
+                if isinstance(s.get("step"), torch.Tensor)} if device == "cuda" else set()
+        inputs = {tracker.key_of(x) for pair in work.inputs for x in pair}
         step_start = len(tracker.timeline.events)
+        traced = min(len(work.inputs), TRACED_MICRO_BATCHES)
+        starts: list[int] = []
 
         with contextlib.ExitStack() as stack:
             if emulation is not None:
                 stack.enter_context(emulation)
             stack.enter_context(tracker)
-            stack.enter_context(_forward_hooks(model, tracker, emulation, bf16))
-            train_step(model, loss_fn, optimizer, inputs[:traced], preset, device)
+            stack.enter_context(_forward_hooks(model, tracker, emulation, bf16, starts))
+            train_step(model, work.loss_fn, optimizer, work.inputs[:traced], preset, device)
         tracker.stop()
-        grad_keys = {tracker.key_of(p.grad) for p in params if p.grad is not None}
+        gradients = {tracker.key_of(p.grad) for p in params if p.grad is not None}
 
     timeline = tracker.timeline
-    if device == "cuda":
-        # The cuBLAS workspace: allocated on the first GEMM, kept for the life of the handle.
-        ws = max(timeline.allocations) + 1
-        timeline.allocations[ws] = Allocation(ws, workspace_bytes, SETUP, "<cublas workspace>")
-        timeline.events.insert(step_start, (ws, +1))
-        persistent = {ws}
-    else:
-        ws, persistent = None, set()
-    peak, at = timeline.replay(exclude=host_keys)
-    live = timeline.live_at(at, exclude=host_keys)
+    if len(work.inputs) > traced:
+        update = next(i for i in range(starts[-1], len(timeline.phases)) if timeline.phases[i] == UPDATE)
+        timeline = _more_micro_batches(timeline, starts[-2:], update, len(work.inputs) - traced)
+    persistent = {k for k, a in timeline.allocations.items() if a.op.startswith("<cublas workspace")}
+    return RecordedStep(timeline, step_start, sum(p.numel() for p in params), weights - {None},
+                        optimizer_keys - {None}, host - {None}, inputs - {None}, gradients - {None},
+                        persistent, traced, emulation)
+
+
+def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: int) -> Timeline:
+    """Insert `extra` copies of the last traced micro-batch (events last_two[1]..update) before the
+    update. A copy's allocations get new keys; a free in the template of something the micro-batch
+    before it allocated (the running loss) frees the same thing of the copy before; after the
+    copies, the update refers to the last copy's allocations."""
+    before, template = tl.events[last_two[0]:last_two[1]], tl.events[last_two[1]:update]
+    born_before = [k for k, s in before if s > 0]
+    born = [k for k, s in template if s > 0]
+    # which allocation of micro-batch 2 plays which role in micro-batch 3: align them by op and size
+    # (the second may allocate a little more: its first sums of the running loss and gradients)
+    label = [(tl.allocations[k].op, tl.allocations[k].nbytes) for k in born_before], \
+        [(tl.allocations[k].op, tl.allocations[k].nbytes) for k in born]
+    role = {}
+    for a, b, n in difflib.SequenceMatcher(None, *label, autojunk=False).get_matching_blocks():
+        role.update(zip(born_before[a:a + n], born[b:b + n]))
+    own = set(born)
+    if any(s < 0 and k not in own and k not in role for k, s in template):
+        raise RuntimeError("trace: micro-batch 3 frees what micro-batch 2 did not allocate; cannot repeat it")
+    out = Timeline(dict(tl.allocations), list(tl.events[:update]), list(tl.phases[:update]))
+    phases = tl.phases[last_two[1]:update]
+    latest = {k: k for k in born}              # role (the template's key) -> key of the latest copy
+    next_key = max(tl.allocations) + 1
+    for _ in range(extra):
+        fresh = {}
+        for k in born:
+            a = tl.allocations[k]
+            fresh[k] = next_key
+            out.allocations[next_key] = Allocation(next_key, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+            next_key += 1
+        for (key, sign), phase in zip(template, phases):
+            out.events.append((fresh[key] if key in fresh else latest[role[key]] if key in role else key, sign))
+            out.phases.append(phase)
+        latest = fresh
+    for (key, sign), phase in zip(tl.events[update:], tl.phases[update:]):
+        out.events.append((latest.get(key, key), sign))
+        out.phases.append(phase)
+    return out
+
+
+def repeat_steps(rec: RecordedStep, steps: int) -> tuple[Timeline, list[int]]:
+    """The recorded setup followed by `steps` training steps: copies of the recorded one under new
+    keys, each after freeing what the step before left (its gradients, freed by the next step's
+    zero_grad before anything else). Returns the timeline and each step's first event index."""
+    tl = rec.timeline
+    step = tl.events[rec.step_start:]
+    phases = tl.phases[rec.step_start:]
+    born = {k for k, s in step if s > 0}
+    offset = max(tl.allocations, default=0) + 1
+    out = Timeline(dict(tl.allocations), list(tl.events), list(tl.phases))
+    starts = [rec.step_start]
+    live = set()
+    for key, sign in step:
+        if key in born:
+            (live.add if sign > 0 else live.discard)(key)
+    for copy in range(1, steps):
+        shift = copy * offset
+        previous = (copy - 1) * offset
+        starts.append(len(out.events))
+        for key in sorted(live):
+            if key not in rec.persistent:
+                out.events.append((key + previous if previous else key, -1))
+                out.phases.append(phases[0])
+        for (key, sign), phase in zip(step, phases):
+            if key not in born or key in rec.persistent:
+                continue
+            new = key + shift
+            if sign > 0:
+                a = tl.allocations[key]
+                out.allocations[new] = Allocation(new, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+            out.events.append((new, sign))
+            out.phases.append(phase)
+    return out, starts
+
+
+def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
+               workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, expandable_segments: bool = False,
+               steps: int = STEPS) -> TraceResult:
+    """Trace training steps of `preset` as they would run on `device` (cuda|cpu).
+    `workspace_bytes`: the cuBLAS workspace of the device calibration; `expandable_segments`: the
+    caching allocator's mode (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); `steps`: training
+    steps replayed through the allocator model (cuda; the CPU trace counts one)."""
+    rec = record_step(preset, device, model_and_loss, workspace_bytes)
+    steps = steps if device == "cuda" else 1
+    timeline, starts = repeat_steps(rec, steps)
+    exclude = rec.host
+    # the peak of the steps (torch.cuda.reset_peak_memory_stats() after the setup)
+    peak, at = _peak_from(timeline, starts[0], exclude)
+    live = timeline.live_at(at, exclude=exclude)
     sizes = {k: timeline.allocations[k].nbytes for k in live}
 
     def total(keys):
         return sum(sizes[k] for k in keys if k in sizes)
 
-    breakdown = {"weights": total(weight_keys), "gradients": total(grad_keys - weight_keys),
-                 "optimizer": total(optimizer_keys - host_keys)}
-    named = weight_keys | grad_keys | optimizer_keys | ({ws} if ws is not None else set())
+    offset = max(rec.timeline.allocations, default=0) + 1
+    gradients = {k + c * offset for k in rec.gradients for c in range(steps)} | rec.gradients
+    breakdown = {"weights": total(rec.weights), "gradients": total(gradients - rec.weights),
+                 "optimizer": total(rec.optimizer - rec.host)}
+    named = rec.weights | gradients | rec.optimizer | rec.persistent
     rest = [k for k in live if k not in named]
     breakdown["activations"] = sum(sizes[k] for k in rest
-                                   if k in input_keys or timeline.allocations[k].phase == FORWARD)
+                                   if k in rec.inputs or timeline.allocations[k].phase == FORWARD)
     breakdown["transient"] = sum(sizes[k] for k in rest) - breakdown["activations"]
     peak_alloc = timeline.allocations[timeline.events[at][0]]
 
     reserved = None
     allocated_peak = peak
     if device == "cuda":
-        keep = weight_keys | persistent | (optimizer_keys - host_keys)
-        stats = allocator.replay(timeline, exclude=host_keys, repeat_from=step_start, keep=keep)
+        stats = allocator.replay(timeline, exclude=exclude, expandable_segments=expandable_segments)
         allocated_peak, reserved = max(stats.peak_allocated, peak), stats.peak_reserved
 
     top = sorted(rest, key=lambda k: -sizes[k])[:5]
-    notes = []
-    if emulation is not None and emulation.unmodelled:
-        notes.extend(sorted(emulation.unmodelled))
+    emulation = rec.emulation
+    notes = sorted(emulation.unmodelled) if emulation is not None and emulation.unmodelled else []
     return TraceResult(
         device=device,
-        parameters=sum(p.numel() for p in params),
+        parameters=rec.parameters,
         allocated_peak=allocated_peak,
         reserved_peak=reserved,
-        largest_allocation=max(x.nbytes for k, x in timeline.allocations.items()
-                               if k not in host_keys and k not in persistent),
+        largest_allocation=max(x.nbytes for k, x in rec.timeline.allocations.items()
+                               if k not in rec.host and k not in rec.persistent),
         breakdown=breakdown,
-        inputs_bytes=total(input_keys),
+        inputs_bytes=total(rec.inputs),
         peak_phase=peak_alloc.phase,
         peak_op=peak_alloc.op,
         top_allocations=[{"op": timeline.allocations[k].op, "shape": list(timeline.allocations[k].shape),
                           "dtype": timeline.allocations[k].dtype, "bytes": sizes[k],
                           "phase": timeline.allocations[k].phase} for k in top],
         kernels=dict(emulation.kernels_used) if emulation is not None else {},
-        micro_batches_traced=traced,
-        events=len(timeline.events),
+        micro_batches_traced=rec.micro_batches,
+        events=len(rec.timeline.events),
+        steps=steps,
+        expandable_segments=expandable_segments if device == "cuda" else False,
         notes=notes,
     )
 
+
+def _peak_from(timeline: Timeline, start: int, exclude: set) -> tuple[int, int]:
+    """(peak live bytes at or after event `start`, index of the event that reached it)."""
+    live = 0
+    for key, sign in timeline.events[:start]:
+        if key not in exclude:
+            live += sign * timeline.allocations[key].nbytes
+    peak, at = live, start - 1
+    for i in range(start, len(timeline.events)):
+        key, sign = timeline.events[i]
+        if key in exclude:
+            continue
+        live += sign * timeline.allocations[key].nbytes
+        if live > peak:
+            peak, at = live, i
+    return peak, at

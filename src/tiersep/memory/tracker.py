@@ -6,8 +6,14 @@ has not been seen before is a new allocation; a weakref finalizer on the storage
 Fake tensors (FakeTensorMode) have storages too (on the meta device, holding no memory), so the same
 counter gives the live bytes a real run would have without allocating them.
 
-What it cannot see: memory a kernel allocates internally and frees before returning (cuDNN/cuBLAS
-workspaces, fused-kernel scratch); the caller accounts for those explicitly.
+What it cannot see by itself: memory a kernel allocates internally (cuDNN/cuBLAS workspaces,
+clones inside cuFFT calls) and the order in which a device kernel allocates its outputs. An `op_model`
+(tiersep.memory.cuda_model.CudaKernelMemory for CUDA) supplies both: for each op it may return a plan,
+a list of steps `("out", index[, nbytes])` (record output `index` now, booking `nbytes` for its
+storage), `("alloc", name, nbytes[, label])` and `("free", name)` for kernel-internal buffers, and
+`("accumulate", index, operand)`: output `index` takes over `operand`'s block if `operand` is freed
+right after (an in-place sum the real kernel does where the traced one cannot). Outputs the plan
+does not name are recorded after it, in order.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class Timeline:
     """The ordered allocation/free events of one run, and what is needed to explain its peak."""
     allocations: dict[int, Allocation] = field(default_factory=dict)
     events: list[tuple[int, int]] = field(default_factory=list)   # (key, +1 alloc | -1 free)
+    phases: list[str] = field(default_factory=list)               # the step's phase at each event
 
     def replay(self, exclude: set[int] = frozenset()) -> tuple[int, int]:
         """(peak live bytes, index of the event that reached it), ignoring keys in `exclude`."""
@@ -87,9 +94,10 @@ class StorageTracker(TorchDispatchMode):
     starts the update (clipping, optimizer step).
     """
 
-    def __init__(self, block_bytes=cuda_block_bytes):
+    def __init__(self, block_bytes=cuda_block_bytes, op_model=None):
         super().__init__()
         self.block_bytes = block_bytes
+        self.op_model = op_model
         self.timeline = Timeline()
         self.phase = SETUP
         self.live_bytes = 0
@@ -98,6 +106,10 @@ class StorageTracker(TorchDispatchMode):
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_key = 0
         self._freed: set[int] = set()
+        self._internal: dict[str, int] = {}
+        self._booked: set[int] = set()    # keys whose size an op model set (views keep it)
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._reuse = None      # (new key, old key, weakref to new storage) of a pending "accumulate"
 
     # -- public -------------------------------------------------------------------------------
     def register(self, tensors, op: str = "<registered>") -> list[int]:
@@ -123,24 +135,56 @@ class StorageTracker(TorchDispatchMode):
             elif self.phase == BACKWARD:
                 self.phase = UPDATE
             name = func.__name__ if hasattr(func, "__name__") else str(func)
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor):
+            outputs = tree_flatten(out)[0]
+            plan = self.op_model(func, args, kwargs or {}, outputs, self) if self.op_model else None
+            done = set()
+            for step in plan or ():
+                if step[0] == "out":
+                    done.add(step[1])
+                    self._see(outputs[step[1]], name, step[2] if len(step) > 2 else None)
+                elif step[0] == "accumulate":
+                    done.add(step[1])
+                    new, old = self._see(outputs[step[1]], name), self.key_of(step[2])
+                    if new is not None and old is not None:
+                        self._reuse = (new, old, weakref.ref(outputs[step[1]].untyped_storage()))
+                elif step[0] == "alloc":
+                    self.internal(step[1], step[2], step[3] if len(step) > 3 else f"<{step[1]}> {name}")
+                else:
+                    self.release(step[1])
+            for i, value in enumerate(outputs):
+                if i not in done and isinstance(value, torch.Tensor):
                     self._see(value, name)
         return out
 
+    # -- kernel-internal buffers (op models) ----------------------------------------------------
+    def internal(self, name: str, nbytes: int, op: str) -> int | None:
+        """Book a buffer a kernel allocates itself (no tensor reaches Python); `release(name)` frees it."""
+        nbytes = self.block_bytes(nbytes)
+        if nbytes == 0:
+            return None
+        key = self._new_key(Allocation(self._next_key, nbytes, self.phase, op))
+        self._internal[name] = key
+        return key
+
+    def release(self, name: str) -> None:
+        key = self._internal.pop(name, None)
+        if key is not None:
+            self._free(key)
+
     # -- internals ----------------------------------------------------------------------------
-    def _see(self, tensor: torch.Tensor, op: str) -> int | None:
+    def _see(self, tensor: torch.Tensor, op: str, nbytes: int | None = None) -> int | None:
         if tensor.layout != torch.strided:
             return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return None
-        nbytes = self.block_bytes(storage.nbytes())
+        booked = nbytes is not None      # an op model's size for the block, not the storage's
+        nbytes = self.block_bytes(storage.nbytes() if nbytes is None else nbytes)
         key = self._keys.get(storage)
         if key is not None:
             known = self.timeline.allocations[key]
-            if nbytes != known.nbytes and self.recording:
+            if nbytes != known.nbytes and self.recording and key not in self._booked:
                 # A storage resized in place (out= ops): book it as a free plus a new allocation.
                 self._free(key)
                 key = None
@@ -148,21 +192,43 @@ class StorageTracker(TorchDispatchMode):
                 return key
         if nbytes == 0:
             return None
+        key = self._new_key(Allocation(self._next_key, nbytes, self.phase, op, tuple(tensor.shape),
+                                       str(tensor.dtype).replace("torch.", "")))
+        if booked:
+            self._booked.add(key)
+        self._keys[storage] = key
+        self._finalizers[key] = weakref.finalize(storage, self._free, key)
+        return key
+
+    def _take_over(self, new: int, old: int, storage_ref) -> None:
+        """`new` (just allocated) replaces `old` (being freed) in old's block: no event for either."""
+        storage = storage_ref()
+        self.timeline.events.pop()
+        self.timeline.phases.pop()
+        self.live_bytes -= self.timeline.allocations.pop(new).nbytes
+        self._finalizers.pop(new).detach()
+        self._keys[storage] = old
+        self._finalizers[old] = weakref.finalize(storage, self._free, old)
+
+    def _new_key(self, allocation: Allocation) -> int:
         key = self._next_key
         self._next_key += 1
-        self._keys[storage] = key
-        self.timeline.allocations[key] = Allocation(key, nbytes, self.phase, op, tuple(tensor.shape),
-                                                    str(tensor.dtype).replace("torch.", ""))
+        self.timeline.allocations[key] = allocation
         self.timeline.events.append((key, +1))
-        self.live_bytes += nbytes
+        self.timeline.phases.append(self.phase)
+        self.live_bytes += allocation.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._free, key)
         return key
 
     def _free(self, key: int) -> None:
         # A late finalizer of a storage resized earlier must not free it twice.
         if not self.recording or key in self._freed:
             return
+        reuse, self._reuse = self._reuse, None
+        if reuse is not None and key == reuse[1] and self.timeline.events[-1] == (reuse[0], +1):
+            self._take_over(*reuse)
+            return
         self._freed.add(key)
         self.timeline.events.append((key, -1))
+        self.timeline.phases.append(self.phase)
         self.live_bytes -= self.timeline.allocations[key].nbytes
