@@ -1,30 +1,53 @@
-"""Training-step time and peak memory of tiersep's TF-Locoformer against the reference separator.
+"""Training-step time and peak memory of tiersep's TF-Locoformer, eager and compiled, against the
+reference separator.
 
-    python bench/model_step.py --reference /path/to/tf-locoformer [--reference-deps DIR] [--tiers]
+    python bench/model_step.py --tiers [--compile] [--device cpu|cuda]
+    python bench/model_step.py --reference /path/to/tf-locoformer [--reference-deps DIR] [--compile]
+    python bench/model_step.py --saved
 
 --reference is a checkout of merlresearch/tf-locoformer (a work tree, or the git directory the
 `fetch` tool leaves, read with `git show`); it is loaded at run time and never copied into this
 repository. Its ESPnet imports are stubbed here (base class, complex helper); its RoPE comes from
 rotary-embedding-torch when importable (put it on the path with --reference-deps), else from a stub
-built on ours (said in the output).
+built on ours (said in the output; the RoPE is then not checked against the reference).
 
 For two presets shrunk to CPU size (mono, 4 sources, identical dimensions for both) it checks that
 the two models compute the same function (weights copied across; eval-mode outputs and gradients),
-then times a full training step (forward, loss, backward, AdamW; fp32) and counts the peak bytes of
-live tensors during one step (a TorchDispatchMode adding each new storage and subtracting it when
-freed; weights and optimizer state made before the step are not counted). Ours runs twice: with
-attention_backend auto, and with math, the SDPA kernel the reference's flags select on a CPU.
+then times a full training step (forward, loss, backward, AdamW; fp32). Ours runs with
+attention_backend auto and with math (the SDPA kernel the reference's flags select on a CPU).
 
---tiers also times our step on the real CPU tiers (config/presets/cpu_tiny.yaml, cpu_small.yaml;
-stereo, their batch size) for tuning their step counts.
+--tiers times our step on the real CPU tiers (config/presets/cpu_tiny.yaml, cpu_small.yaml; stereo,
+their batch size). --compile adds our model under torch.compile (inductor, fullgraph, through
+tiersep.model.compile.compile_model); the loss and AdamW stay eager, as in training.
+
+--saved asks whether tracing the training step on fake tensors, partitioned by AOTAutograd as
+inductor partitions it (inductor's decompositions, min-cut partitioner), predicts the bytes a
+compiled forward leaves for the backward (saved activations + estimates), measured with the
+profiler's allocator events on the real compiled forward.
+
+Every row: the first call (for a compiled model: the compile), the median step, and peak memory of
+one step, with ratios to the first row of its table. Steps go round-robin over the rows so that the
+load of a shared machine weighs on each alike.
+- cpu: `tensors` = peak live tensor bytes (tiersep.memory.tracker.StorageTracker, exact sizes; not
+  for compiled rows: Dynamo runs a compiled model eagerly while a TorchDispatchMode is active, so the
+  tracker would show the eager figure); `allocator` = peak bytes held through c10's CPU allocator
+  (the profiler's memory events: sees inductor's buffers too); `RSS+` = the process's peak resident
+  memory during the step (sampled each millisecond) over its value before the step.
+  Weights and optimizer state made before the step are in none of the three.
+- cuda: `max alloc` = torch.cuda.max_memory_allocated over the step, `device used` = total - free
+  from torch.cuda.mem_get_info after it (what nvidia-smi shows for the process: CUDA context,
+  allocator cache, every row's weights).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -206,42 +229,161 @@ def compare(ours: nn.Module, reference: nn.Module, mapping: dict, preset: dict) 
 
 
 # ----------------------------------------------------------------------------------------------
-# timing
+# timing and memory
+
+
+def machine(device: str) -> str:
+    """What the figures were measured on: CPU model and cores, or GPU, driver and versions."""
+    versions = f"torch {torch.__version__}, Python {platform.python_version()}"
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+        return (f"{torch.cuda.get_device_name(0)} ({props.total_memory / MiB:.0f} MiB, "
+                f"{props.multi_processor_count} SMs), driver {driver}, CUDA {torch.version.cuda}, "
+                f"cuDNN {torch.backends.cudnn.version()}, {versions}")
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or "unknown CPU")
+    return (f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), "
+            f"{versions}")
+
+
+class RssSampler:
+    """Peak resident set size of this process while the block runs, sampled every millisecond."""
+
+    def __enter__(self):
+        self.before = self.peak = self.rss()
+        self.running = True
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    def sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.001)
+
+    @staticmethod
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def allocator_bytes(events) -> tuple[int, int]:
+    """(bytes still held at the end, peak bytes held) through c10's CPU allocator, from the
+    profiler's memory events."""
+    from torch.autograd import DeviceType
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events
+                            if e.name() == "[memory]" and e.device_type() == DeviceType.CPU):
+        live += nbytes
+        peak = max(peak, live)
+    return live, peak
 
 
 class StepRunner:
-    """One model's training step (forward, loss, backward, AdamW) on a fixed random batch."""
+    """One model's training step (forward, loss, backward, AdamW) on a fixed random batch.
 
-    def __init__(self, model: nn.Module, preset: dict, batch_size: int, channels: int):
+    `call` is what the step calls (the model, or its compiled wrapper); `model` owns the weights.
+    The first step (compile, AdamW state) is timed apart as `first_seconds`.
+    """
+
+    def __init__(self, model: nn.Module, preset: dict, batch_size: int, channels: int, device: str,
+                 call: nn.Module | None = None, compiled: bool = False):
         torch.manual_seed(0)
         samples = preset["audio"]["segment_samples"]
         n_src = len(preset["model"]["sources"])
-        self.batch = [(torch.randn(batch_size, channels, samples),
-                       torch.randn(batch_size, n_src, channels, samples))]
-        self.model, self.preset = model.train(), preset
-        self.loss_fn, self.optimizer = build_loss(preset), make_optimizer(model, preset, "cpu")
-        self.step()  # warm-up; creates the AdamW state
+        self.device, self.compiled = device, compiled
+        self.batch = [(torch.randn(batch_size, channels, samples, device=device),
+                       torch.randn(batch_size, n_src, channels, samples, device=device))]
+        self.model, self.preset = model.to(device).train(), preset
+        self.call = call if call is not None else self.model
+        self.loss_fn, self.optimizer = build_loss(preset), make_optimizer(model, preset, device)
+        self.first_seconds = self.step()
 
     def step(self) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        train_step(self.model, self.loss_fn, self.optimizer, self.batch, self.preset, "cpu")
+        train_step(self.call, self.loss_fn, self.optimizer, self.batch, self.preset, self.device)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def peak_bytes(self) -> int:
-        with StorageTracker(block_bytes=exact_bytes) as tracker:
+    def memory(self) -> dict[str, int | None]:
+        """Peak memory of one step (see the module docstring for what each figure counts)."""
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
             self.step()
-        return tracker.peak_bytes
+            free, total = torch.cuda.mem_get_info()
+            return {"max alloc": torch.cuda.max_memory_allocated(), "device used": total - free}
+        tensors = None
+        if not self.compiled:
+            with StorageTracker(block_bytes=exact_bytes) as tracker:
+                self.step()
+            tensors = tracker.peak_bytes
+        from torch.profiler import profile
+        with profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            self.step()
+        allocator = allocator_bytes(prof.profiler.kineto_results.events())[1]
+        with RssSampler() as rss:
+            self.step()
+        return {"tensors": tensors, "allocator": allocator, "RSS+": rss.peak - rss.before}
 
 
 def measure(runners: dict[str, StepRunner], steps: int) -> dict[str, dict]:
-    """Median step seconds and peak live bytes per runner. Steps go round-robin over the runners so
-    that the load of a shared machine weighs on each alike."""
+    """Median step seconds (round-robin over the runners), first-call seconds and peak memory."""
     times = {name: [] for name in runners}
     for _ in range(steps):
         for name, runner in runners.items():
             times[name].append(runner.step())
-    return {name: {"seconds": statistics.median(times[name]), "peak_bytes": runner.peak_bytes()}
-            for name, runner in runners.items()}
+    return {name: {"first": runner.first_seconds, "seconds": statistics.median(times[name]),
+                   **runner.memory()} for name, runner in runners.items()}
+
+
+def print_table(rows: dict[str, dict], markdown: bool) -> None:
+    """Rows with their ratios to the first row; a memory column is blank where not measured."""
+    names = list(rows)
+    base = rows[names[0]]
+    memory = [k for k in base if k not in ("first", "seconds")]
+    head = ["", "first call s", "step s", "time ratio"]
+    for k in memory:
+        head += [f"{k} MiB", f"{k} ratio"]
+    lines = [head]
+    for name in names:
+        row = rows[name]
+        cells = [name, f"{row['first']:.2f}", f"{row['seconds']:.3f}", f"{row['seconds'] / base['seconds']:.2f}"]
+        for k in memory:
+            value, ref = row.get(k), base.get(k)
+            cells += ["" if value is None else f"{value / MiB:.1f}",
+                      "" if value is None or not ref else f"{value / ref:.2f}"]
+        lines.append(cells)
+    if markdown:
+        print("| " + " | ".join(lines[0]) + " |")
+        print("|" + "---|" * len(lines[0]))
+        for cells in lines[1:]:
+            print("| " + " | ".join(cells) + " |")
+    else:
+        widths = [max(len(c[i]) for c in lines) for i in range(len(lines[0]))]
+        for cells in lines:
+            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    print()
+
+
+def compiled_runner(model: nn.Module, preset: dict, batch_size: int, channels: int, args) -> StepRunner:
+    """Our model through compile_model (inductor, fullgraph), as the trainer would call it."""
+    from tiersep.model.compile import compile_model
+    model = copy.deepcopy(model).to(args.device)
+    call, info = compile_model(model, args.compile_mode, args.cache_dir)
+    runner = StepRunner(model, preset, batch_size, channels, args.device, call=call, compiled=True)
+    if not info["compiled"]:
+        sys.exit(f"torch.compile fell back to eager: {info['reason']}")
+    return runner
 
 
 def shrunk_presets() -> list[tuple[str, dict, int]]:
@@ -265,8 +407,7 @@ def shrunk_presets() -> list[tuple[str, dict, int]]:
 def compare_with_reference(args) -> None:
     rope_from = install_stubs(args.reference_deps)
     Separator = load_reference(args.reference)
-    print(f"reference: {args.reference}:{SEPARATOR_FILE}; RoPE: {rope_from}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps each\n")
+    print(f"reference: {args.reference}:{SEPARATOR_FILE}; RoPE: {rope_from}\n")
     for label, preset, batch_size in shrunk_presets():
         torch.manual_seed(0)
         ours = build_model(preset)
@@ -279,48 +420,126 @@ def compare_with_reference(args) -> None:
               f"gradient rel. diff {grad_diff:.1e}")
         ours_math = copy.deepcopy(ours)
         ours_math.attention_backend = "math"
-        rows = measure({"reference": StepRunner(reference, preset, batch_size, 1),
-                        "ours (auto)": StepRunner(ours, preset, batch_size, 1),
-                        "ours (math)": StepRunner(ours_math, preset, batch_size, 1)}, args.steps)
-        ref = rows["reference"]
-        print(f"{'':14} {'step s':>8} {'peak MiB':>9} {'time/ref':>9} {'peak/ref':>9}")
-        for name, row in rows.items():
-            print(f"{name:14} {row['seconds']:8.3f} {row['peak_bytes'] / MiB:9.1f} "
-                  f"{row['seconds'] / ref['seconds']:9.2f} {row['peak_bytes'] / ref['peak_bytes']:9.2f}")
-        print()
+        runners = {"reference": StepRunner(reference, preset, batch_size, 1, args.device),
+                   "tiersep eager (auto)": StepRunner(ours, preset, batch_size, 1, args.device),
+                   "tiersep eager (math)": StepRunner(ours_math, preset, batch_size, 1, args.device)}
+        if args.compile:
+            runners["tiersep compiled (auto)"] = compiled_runner(ours, preset, batch_size, 1, args)
+        print_table(measure(runners, args.steps), args.markdown)
 
 
-def time_cpu_tiers(args) -> None:
-    print("== our training step on the CPU tiers (stereo, preset batch size, fp32, AdamW)")
-    print(f"{'preset':10} {'params':>8} {'batch':>5} {'step s':>8} {'peak MiB':>9}")
+def time_tiers(args) -> None:
+    print(f"== our training step on the CPU tiers (stereo, preset batch size, fp32, AdamW), "
+          f"median of {args.steps} steps\n")
     for name in ("cpu_tiny", "cpu_small"):
-        preset = load_preset(str(ROOT / "config" / "presets" / f"{name}.yaml"))
-        preset = copy.deepcopy(preset)
+        preset = copy.deepcopy(load_preset(str(ROOT / "config" / "presets" / f"{name}.yaml")))
         preset["train"]["precision"] = "fp32"
         torch.manual_seed(0)
         model = build_model(preset)
-        runner = StepRunner(model, preset, preset["train"]["batch_size"], preset["audio"]["channels"])
-        row = measure({name: runner}, args.steps)[name]
-        print(f"{name:10} {count_parameters(model):8,} {preset['train']['batch_size']:5} "
-              f"{row['seconds']:8.3f} {row['peak_bytes'] / MiB:9.1f}")
+        batch_size, channels = preset["train"]["batch_size"], preset["audio"]["channels"]
+        print(f"{name}: {count_parameters(model):,} parameters, batch {batch_size}, "
+              f"{preset['audio']['segment_samples']} samples")
+        runners = {"tiersep eager": StepRunner(copy.deepcopy(model), preset, batch_size, channels, args.device)}
+        if args.compile:
+            runners["tiersep compiled"] = compiled_runner(model, preset, batch_size, channels, args)
+        print_table(measure(runners, args.steps), args.markdown)
+
+
+def forward_bytes(call, mixture) -> tuple[int, int]:
+    """(bytes still held after a training-mode forward: saved activations + estimates, peak of the
+    forward), through c10's CPU allocator."""
+    from torch.profiler import profile
+    with profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        estimates = call(mixture)
+    del estimates
+    return allocator_bytes(prof.profiler.kineto_results.events())
+
+
+def partitioned_forward_outputs(preset: dict, shape: tuple) -> int:
+    """Bytes of the forward graph's outputs (estimates + tensors saved for backward) when
+    AOTAutograd partitions the step as inductor does (its decompositions, min-cut partitioner),
+    traced on fake tensors: nothing is computed."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    found = {}
+
+    def forward_compiler(gm, example_inputs):
+        inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        storages = {}
+        for node in outputs:  # new storages only: a saved weight or input costs nothing
+            value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(value, torch.Tensor) and node not in inputs:
+                storages[id(value.untyped_storage())] = value.untyped_storage().nbytes()
+        found["bytes"] = sum(storages.values())
+        return gm
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        model = build_model(preset).train()
+        torch.compile(model, fullgraph=True, backend=backend)(torch.randn(*shape))
+    torch._dynamo.reset()
+    return found["bytes"]
+
+
+def saved_activations(args) -> None:
+    """Does the partitioned graph traced on fake tensors predict a compiled step's saved activations?"""
+    print("== saved activations of one forward (training mode), CPU tiers, batch 1, fp32\n")
+    print("| preset | predicted (fake-tensor partition) MiB | inductor MiB | eager MiB | "
+          "inductor forward peak MiB | eager forward peak MiB |")
+    print("|---|---|---|---|---|---|")
+    for name in ("cpu_tiny", "cpu_small"):
+        preset = load_preset(str(ROOT / "config" / "presets" / f"{name}.yaml"))
+        shape = (1, preset["audio"]["channels"], preset["audio"]["segment_samples"])
+        predicted = partitioned_forward_outputs(preset, shape)
+        torch.manual_seed(0)
+        model = build_model(preset).train()
+        mixture = torch.randn(*shape)
+        compiled = torch.compile(copy.deepcopy(model), fullgraph=True)
+        figures = {}
+        for label, call in (("eager", model), ("inductor", compiled)):
+            call(mixture).sum().backward()  # compile, and make every lazy buffer
+            figures[label] = forward_bytes(call, mixture)
+        print(f"| {name} | {predicted / MiB:.2f} | {figures['inductor'][0] / MiB:.2f} | "
+              f"{figures['eager'][0] / MiB:.2f} | {figures['inductor'][1] / MiB:.2f} | "
+              f"{figures['eager'][1] / MiB:.2f} |")
+    print()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference", type=Path, help="tf-locoformer checkout (work tree or git dir)")
     parser.add_argument("--reference-deps", type=Path, help="folder holding rotary_embedding_torch, einops")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median)")
-    parser.add_argument("--tiers", action="store_true", help="also time our step on cpu_tiny and cpu_small")
+    parser.add_argument("--tiers", action="store_true", help="time our step on cpu_tiny and cpu_small")
+    parser.add_argument("--compile", action="store_true", help="add our model under torch.compile")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile mode (train.compile_mode)")
+    parser.add_argument("--cache-dir", type=Path, help="inductor/Triton cache folder (default: torch's)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: steadiest on a shared machine)")
+                        help="torch intra-op threads on the CPU (1: steadiest on a shared machine)")
+    parser.add_argument("--saved", action="store_true",
+                        help="CPU tiers: saved activations of a compiled forward, predicted on fake "
+                             "tensors against measured")
+    parser.add_argument("--markdown", action="store_true", help="tables in Markdown")
     args = parser.parse_args()
+    if not (args.reference or args.tiers or args.saved):
+        parser.error("give --reference PATH, --tiers and/or --saved")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(args.threads)
-    if not args.reference and not args.tiers:
-        parser.error("give --reference PATH and/or --tiers")
+    print(f"device: {args.device}: {machine(args.device)}\n")
     if args.reference:
         compare_with_reference(args)
     if args.tiers:
-        time_cpu_tiers(args)
+        time_tiers(args)
+    if args.saved:
+        saved_activations(args)
 
 
 if __name__ == "__main__":
