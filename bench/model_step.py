@@ -44,6 +44,7 @@ import argparse
 import copy
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -237,8 +238,10 @@ def machine(device: str) -> str:
     versions = f"torch {torch.__version__}, Python {platform.python_version()}"
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.strip() or "unknown"
+        smi = shutil.which("nvidia-smi")
+        driver = (subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.strip().splitlines() or ["?"])[0] \
+            if smi else "unknown (no nvidia-smi)"
         return (f"{torch.cuda.get_device_name(0)} ({props.total_memory / MiB:.0f} MiB, "
                 f"{props.multi_processor_count} SMs), driver {driver}, CUDA {torch.version.cuda}, "
                 f"cuDNN {torch.backends.cudnn.version()}, {versions}")

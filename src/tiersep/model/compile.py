@@ -97,8 +97,9 @@ class CompiledWithFallback(nn.Module):
         if not self.backward_checked and isinstance(out, torch.Tensor) and out.requires_grad:
             # The backward graph compiles at its first use: run it now, while we can fall back.
             params = [p for p in self.eager.parameters() if p.requires_grad]
-            torch.autograd.grad(out, params, grad_outputs=torch.ones_like(out), retain_graph=True,
-                                allow_unused=True)
+            if params:
+                torch.autograd.grad(out, params, grad_outputs=torch.ones_like(out), retain_graph=True,
+                                    allow_unused=True)
             self.backward_checked = True
         return out
 
