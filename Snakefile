@@ -5,16 +5,23 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
+
 configfile: "config/config.yaml"
 
+
 include: "workflow/rules/common.smk"  # validates the config once: one line naming file and key
+
 
 # Every rule runs in the same software: the project's Apptainer image (--sdm apptainer) or conda
 # environment (--sdm conda).
 container: CONTAINER
+
+
 conda: "envs/tiersep.yaml"
 
+
 report: "workflow/report/workflow.rst"
+
 
 include: "workflow/rules/data.smk"
 include: "workflow/rules/estimate.smk"

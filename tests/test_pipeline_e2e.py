@@ -9,11 +9,12 @@ import json
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 import yaml
 
-from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
 pytestmark = pytest.mark.slow
 CONFIG = ["--configfile", "tests/configs/tiny.yaml", "tests/configs/with_refused_tier.yaml"]
@@ -38,6 +39,15 @@ def test_dry_run_lists_every_stage(workflow_copy):
 def test_lint_is_clean(workflow_copy):
     out = run_snakemake(workflow_copy, "--lint", *CONFIG).stdout
     assert "Congratulations, your workflow is in a good condition!" in out
+
+
+def test_snakefmt_is_clean():
+    """The Snakefile and the rules are formatted as the Snakemake community formats them."""
+    snakefmt = BIN / "snakefmt"
+    assert snakefmt.is_file(), "snakefmt is a test dependency (pip install -e '.[test]')"
+    proc = subprocess.run([str(snakefmt), "--check", "Snakefile", "workflow/"], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, proc.stdout
 
 
 def test_every_contract_file_is_produced(finished):

@@ -10,11 +10,15 @@ from tiersep import config as tiersep_config
 
 def _validated_config():
     """The merged config, validated with defaults filled (one-line error naming file and key)."""
-    given = [os.path.relpath(f) if os.path.abspath(f).startswith(os.getcwd()) else str(f)
-             for f in workflow.overwrite_configfiles or []]  # name files as the user sees them
+    given = [
+        os.path.relpath(f) if os.path.abspath(f).startswith(os.getcwd()) else str(f)
+        for f in workflow.overwrite_configfiles or []
+    ]  # name files as the user sees them
     files = ["config/config.yaml", *given]
     # the files read again as tiersep reads them (YAML 1.2 numbers: 1e-4 is a float), then --config
-    config.update(tiersep_config.read_config_files(files, workflow.config_settings.config))
+    config.update(
+        tiersep_config.read_config_files(files, workflow.config_settings.config)
+    )
     try:
         return tiersep_config.validate_config(config, files)
     except tiersep_config.ConfigError as err:
@@ -41,7 +45,9 @@ CONTAINER = CFG["container"]
 # Written by the `config` rule. An input of every job, marked ancient: a config change reruns only
 # the jobs whose own settings (their params) changed, not everything downstream of the file.
 CONFIG_FILE = f"{RESULTS}/config.yaml"
-MERGED_CONFIG = json.dumps({k: v for k, v in CFG.items() if not k.startswith("_")}, sort_keys=True)
+MERGED_CONFIG = json.dumps(
+    {k: v for k, v in CFG.items() if not k.startswith("_")}, sort_keys=True
+)
 
 
 def _trials():
@@ -88,7 +94,8 @@ def estimate_of(path):
 
 def train_outcome(preset):
     """outcome.json of a tier's train checkpoint: trained, or refused by the fit gate. Until the
-    job has run this raises, and Snakemake plans the rest of the DAG again afterwards."""
+    job has run this raises, and Snakemake plans the rest of the DAG again afterwards.
+    """
     with open(checkpoints.train.get(preset=preset).output.outcome) as fh:
         return json.load(fh)
 
@@ -102,7 +109,10 @@ def host_mem_mb(wildcards, input, attempt):
     """Host memory of a train job from its estimate: 1.25 x what the gate books + 2 GiB, at least
     8 GB, times the attempt. On CPU the booking is the process's RSS; on a GPU host RAM >= the
     device's use leaves room for checkpoints and pinned batches."""
-    booked = estimate_of(input.estimate).get("gate_required_bytes") or estimate_of(input.estimate)["peak_bytes"]
+    booked = (
+        estimate_of(input.estimate).get("gate_required_bytes")
+        or estimate_of(input.estimate)["peak_bytes"]
+    )
     return attempt * max(8000, int(1.25 * booked / 2**20) + 2048)
 
 
@@ -126,6 +136,7 @@ def _report_output(name, category):
 
 
 REPORT_FILES = [f"{RESULTS}/report/index.html", f"{RESULTS}/report/report.md"]
+
 
 wildcard_constraints:
     preset=r"[A-Za-z0-9_.=+-]+",

@@ -2,11 +2,11 @@
 rule config:
     output:
         CONFIG_FILE,
-    params:
-        merged=MERGED_CONFIG,
     log:
         "logs/config.log",
     localrule: True
+    params:
+        merged=MERGED_CONFIG,
     shell:
         "tiersep config --merged {params.merged:q} --out {output} > {log} 2>&1"
 
@@ -18,8 +18,6 @@ rule prepare:
         config=ancient(CONFIG_FILE),
     output:
         directory(f"{CFG['data']['prepared_dir']}/{CFG['data']['source']}/{{rate}}"),
-    params:
-        data=CFG["data"],
     log:
         "logs/prepare/{rate}.log",
     benchmark:
@@ -28,5 +26,7 @@ rule prepare:
     resources:
         mem_mb=4000,
         runtime=60,
+    params:
+        data=CFG["data"],
     shell:
         "tiersep prepare --config {input.config} --out {output} --sample-rate {wildcards.rate} > {log} 2>&1"

@@ -7,9 +7,6 @@ rule estimate:
         config=ancient(CONFIG_FILE),
     output:
         json=f"{RESULTS}/vram/{{preset}}.json",
-    params:
-        estimate=CFG["estimate"],
-        budget=CFG["budget_gib"],
     log:
         "logs/estimate/{preset}.log",
     benchmark:
@@ -18,5 +15,8 @@ rule estimate:
     resources:
         mem_mb=3000,
         runtime=15,
+    params:
+        estimate=CFG["estimate"],
+        budget=CFG["budget_gib"],
     shell:
         "tiersep estimate --config {input.config} --preset {wildcards.preset} --out {output.json} > {log} 2>&1"

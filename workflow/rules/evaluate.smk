@@ -8,9 +8,6 @@ rule evaluate:
         config=ancient(CONFIG_FILE),
     output:
         scores=f"{RESULTS}/eval/{{preset}}/scores.json",
-    params:
-        outdir=lambda wildcards, output: os.path.dirname(output.scores),
-        evaluate=CFG["evaluate"],
     log:
         "logs/evaluate/{preset}.log",
     benchmark:
@@ -20,6 +17,9 @@ rule evaluate:
         gpu=1,
         mem_mb=lambda wildcards, attempt: attempt * 8000,
         runtime=6 * 60,
+    params:
+        outdir=lambda wildcards, output: os.path.dirname(output.scores),
+        evaluate=CFG["evaluate"],
     shell:
         "tiersep evaluate --config {input.config} --preset {wildcards.preset} --model {input.model}"
         " --data {input.data} --out {params.outdir} > {log} 2>&1"

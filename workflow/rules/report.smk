@@ -9,12 +9,17 @@ rule report:
         sources=[str(p) for p in tiersep_report.source_files()],
         config=ancient(CONFIG_FILE),
     output:
-        html=report(f"{RESULTS}/report/index.html", caption="../report/index.rst", category="Report"),
+        html=report(
+            f"{RESULTS}/report/index.html",
+            caption="../report/index.rst",
+            category="Report",
+        ),
         md=f"{RESULTS}/report/report.md",
-        plots=[_report_output(p.name, "Plots") for p in tiersep_report.output_files(".") if p.suffix == ".png"],
-    params:
-        results=lambda wildcards, input: os.path.dirname(os.path.dirname(input.estimates[0])),
-        outdir=lambda wildcards, output: os.path.dirname(output.html),
+        plots=[
+            _report_output(p.name, "Plots")
+            for p in tiersep_report.output_files(".")
+            if p.suffix == ".png"
+        ],
     log:
         "logs/report.log",
     benchmark:
@@ -23,5 +28,10 @@ rule report:
     resources:
         mem_mb=2000,
         runtime=10,
+    params:
+        results=lambda wildcards, input: os.path.dirname(
+            os.path.dirname(input.estimates[0])
+        ),
+        outdir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
         "tiersep report --config {input.config} --results {params.results} --out {params.outdir} > {log} 2>&1"

@@ -18,8 +18,6 @@ checkpoint train:
         config=ancient(CONFIG_FILE),
     output:
         outcome=f"{RESULTS}/train/{{preset}}/outcome.json",
-    params:
-        outdir=lambda wildcards, output: os.path.dirname(output.outcome),
     log:
         "logs/train/{preset}.log",
     benchmark:
@@ -30,8 +28,13 @@ checkpoint train:
         gpu=1,
         mem_mb=host_mem_mb,
         runtime=24 * 60,
-        vram_mb=lambda wildcards, input: int(estimate_of(input.estimate)["peak_bytes"] / 2**20) + 1,
+        vram_mb=lambda wildcards, input: int(
+            estimate_of(input.estimate)["peak_bytes"] / 2**20
+        )
+        + 1,
         attempt=lambda wildcards, attempt: attempt,
+    params:
+        outdir=lambda wildcards, output: os.path.dirname(output.outcome),
     shell:
         "tiersep train --config {input.config} --preset {wildcards.preset} --data {input.data}"
         " --out {params.outdir} --estimate {input.estimate} --resume --attempt {resources.attempt}"
