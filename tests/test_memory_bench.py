@@ -29,14 +29,17 @@ def test_seed_preset_is_shortened_to_fit_the_gpu(bench):
 
 
 def test_cuda_table_reports_errors_and_ooms(bench):
-    row = {"name": "small", "kernel": "flash", "measured_allocated": 5 * GIB, "trace_allocated": 5.1 * GIB,
-           "measured_reserved": 6 * GIB, "trace_reserved": 5.7 * GIB, "outside_torch": 600 * 2**20,
+    row = {"name": "small", "allocator": "native", "kernel": "flash", "measured_allocated": 5 * GIB,
+           "trace_allocated": 5.1 * GIB, "measured_reserved": 6 * GIB, "trace_reserved": 5.7 * GIB,
+           "measured_device": 6.8 * GIB, "trace_peak": 6.8 * 1.01 * GIB, "outside_torch": 600 * 2**20,
            "overhead_booked": 512 * 2**20, "analytic_peak": 6.5 * GIB, "step_seconds": 0.5}
-    oom = {"name": "xlarge", "kernel": "flash", "oom": "CUDA out of memory", "trace_allocated": 7000 * GIB,
-           "trace_reserved": 7100 * GIB, "analytic_peak": 7200 * GIB}
+    oom = {"name": "xlarge", "allocator": "native", "kernel": "flash", "oom": "CUDA out of memory",
+           "trace_allocated": 7000 * GIB, "trace_reserved": 7100 * GIB, "trace_peak": 7101 * GIB,
+           "analytic_peak": 7200 * GIB}
     table, worst = bench.cuda_table([row, oom])
-    assert worst == pytest.approx(0.05)
-    assert "+2.00%" in table and "-5.00%" in table and "| xlarge | flash | OOM |" in table
+    assert worst == pytest.approx({"allocated": 0.02, "reserved": 0.05, "device": 0.01})
+    assert "+2.00%" in table and "-5.00%" in table and "+1.00%" in table
+    assert "| xlarge | native | flash | OOM |" in table
 
 
 def test_cpu_mode_refuses_cuda_without_a_gpu(bench, capsys):

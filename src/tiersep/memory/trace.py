@@ -12,8 +12,8 @@ moved to the device one by one, the AdamW state created by one step on zero grad
 micro-batch's inputs made resident (0.1 * randn), then `steps` training steps. The first step is
 traced; later ones repeat its events, after freeing what it left (the gradients, which the next
 step's zero_grad frees first), so that the allocator sees the steady state a long run reaches.
-With gradient accumulation, up to three micro-batches are traced: the first creates the gradients,
-the later ones add to them, and micro-batches beyond the third repeat the third's events.
+With gradient accumulation, two micro-batches are traced: the first creates the gradients, the
+second adds to them, and the micro-batches after it repeat the second's events.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 # Training steps replayed through the allocator model: the caching allocator's segments reach their
 # steady state within three steps (bench/trace_vs_events.py), as in the shared H100 measurements.
 STEPS = 3
-# Micro-batches traced: the first creates the gradients, the second accumulates into them; the third
-# is the template later ones repeat (its events refer to the second's as theirs to the one before).
-TRACED_MICRO_BATCHES = 3
+# Micro-batches traced: the first creates the gradients, the second accumulates into them and is
+# the template later ones repeat (its frees of the first's allocations become frees of the copy before).
+TRACED_MICRO_BATCHES = 2
 
 
 @dataclass
@@ -129,19 +129,20 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
     tracker.recording = False
 
-    def build(p):
-        # the model is built on the host; the device sees its weights arrive one by one
-        from tiersep.model import build_loss, build_model
-
-        model, loss_fn = model_and_loss(p) if model_and_loss else (build_model(p), build_loss(p))
-        tracker.register([x for x in _move_order(model) if x is not None])
-        tracker.recording = True
-        return model, loss_fn
-
     with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*autocast.*")
         torch.manual_seed(0)
+        # the model is built on the host; the device sees its weights arrive one by one
+        from tiersep.model import build_loss, build_model
+
+        built = model_and_loss(preset) if model_and_loss else (build_model(preset), build_loss(preset))
+
+        def build(p):
+            tracker.register([x for x in _move_order(built[0]) if x is not None])
+            tracker.recording = True
+            return built
+
         with tracker:
             work = build_workload(preset, device, lambda *shape: 0.1 * torch.randn(shape), build, move=False)
         model, optimizer, params = work.model, work.optimizer, work.params
@@ -181,8 +182,8 @@ def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: i
     before, template = tl.events[last_two[0]:last_two[1]], tl.events[last_two[1]:update]
     born_before = [k for k, s in before if s > 0]
     born = [k for k, s in template if s > 0]
-    # which allocation of micro-batch 2 plays which role in micro-batch 3: align them by op and size
-    # (the second may allocate a little more: its first sums of the running loss and gradients)
+    # which allocation of the micro-batch before plays which role in the template: align them by op
+    # and size (the first also creates the gradients, where later ones allocate and add theirs)
     label = [(tl.allocations[k].op, tl.allocations[k].nbytes) for k in born_before], \
         [(tl.allocations[k].op, tl.allocations[k].nbytes) for k in born]
     role = {}
@@ -190,7 +191,8 @@ def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: i
         role.update(zip(born_before[a:a + n], born[b:b + n]))
     own = set(born)
     if any(s < 0 and k not in own and k not in role for k, s in template):
-        raise RuntimeError("trace: micro-batch 3 frees what micro-batch 2 did not allocate; cannot repeat it")
+        raise RuntimeError("trace: the last traced micro-batch frees what the one before did not allocate "
+                           "in a matching role; cannot repeat it")
     out = Timeline(dict(tl.allocations), list(tl.events[:update]), list(tl.phases[:update]))
     phases = tl.phases[last_two[1]:update]
     latest = {k: k for k in born}              # role (the template's key) -> key of the latest copy

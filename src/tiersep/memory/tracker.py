@@ -129,7 +129,7 @@ class StorageTracker(TorchDispatchMode):
     # -- dispatch -----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.recording:
+        if self.recording and isinstance(out, (torch.Tensor, tuple, list)):   # not prim.device & co
             if torch._C._current_graph_task_id() != -1:
                 self.phase = BACKWARD
             elif self.phase == BACKWARD:
