@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = sorted((ROOT / "tests" / "data" / "gpu" / "h100-2026-11-22" / "events").glob("*.events.json.gz"))
+LOGS_COMMIT = "e74010960b93"    # the shared logs' commit (their README.md)
 MIB = 2**20
 STEPS_IN_LOGS = 2     # the shared logs cover two training steps
 
@@ -142,6 +143,9 @@ def compare(log_path: Path, blocks: int, model_and_loss=None) -> dict:
         weight = sum(r_alloc) + sum(s for s, _ in t_alloc)
         diff_blocks.append((weight, tag, i1, i2, j1, j2))
     matched = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag == "equal")
+    unmatched = {"recorded": [n for tag, i1, i2, _, _ in ops if tag != "equal" for _, n in real[i1:i2]],
+                 "trace": [t[1] for tag, _, _, j1, j2 in ops if tag != "equal" for t in trace[j1:j2]]}
+    small = {side: sum(n < 64 * 1024 for n in sizes) for side, sizes in unmatched.items()}
 
     # both sequences through the allocator model (synthetic segment addresses for both)
     from tiersep.memory import allocator
@@ -159,6 +163,7 @@ def compare(log_path: Path, blocks: int, model_and_loss=None) -> dict:
         "name": log.name, "config": log.config, "trace_cpu_seconds": round(seconds, 1),
         "events": {"recorded": len(real), "trace": len(trace)},
         "in_order": matched / max(len(real), len(trace)),
+        "out_of_order": {side: {"events": len(sizes), "under_64_kib": small[side]} for side, sizes in unmatched.items()},
         "phases": table,
         "missing": [{"bytes": s, "count": c, "after_trace_op": context[("missing", s)]}
                     for s, c in sorted(missing.items(), key=lambda kv: -kv[0] * kv[1])],
@@ -178,7 +183,11 @@ def markdown(results: list[dict], top: int) -> str:
         a = r["allocator"]
         lines += [f"## {r['name']} ({json.dumps(r['config'].get('set') or {})})", "",
                   f"{r['events']['recorded']} recorded events, {r['events']['trace']} traced "
-                  f"({r['trace_cpu_seconds']} s CPU); in order: {r['in_order']:.1%}.", "",
+                  f"({r['trace_cpu_seconds']} s CPU); in order: {r['in_order']:.1%}. Not aligned: "
+                  f"{r['out_of_order']['recorded']['events']} recorded events "
+                  f"({r['out_of_order']['recorded']['under_64_kib']} under 64 KiB: reduction scratch, RNG "
+                  f"state, scalars) and {r['out_of_order']['trace']['events']} traced "
+                  f"({r['out_of_order']['trace']['under_64_kib']} under 64 KiB).", "",
                   "| phase | recorded allocs | trace allocs | recorded MiB | trace MiB |",
                   "|---|---:|---:|---:|---:|"]
         for name, p in r["phases"].items():
@@ -214,6 +223,13 @@ def main(argv=None) -> int:
     from tiersep.memory.allocator import EventLogError
 
     model_and_loss = model_at(args.model_at) if args.model_at else None
+    if not args.model_at and any(p.resolve() in LOGS for p in args.logs):
+        import subprocess
+
+        changed = subprocess.run(["git", "diff", "--quiet", LOGS_COMMIT, "--", "src/tiersep/model"], cwd=ROOT)
+        if changed.returncode != 0:
+            print(f"warning: src/tiersep/model differs from {LOGS_COMMIT}, where the shared logs were recorded; "
+                  f"differences may be the model's (--model-at {LOGS_COMMIT} traces that model)", file=sys.stderr)
     results = []
     for path in args.logs:
         try:
