@@ -394,6 +394,7 @@ def _tensors(args, kwargs):
 # aten ops that run a cuBLAS routine: the first one on a thread creates that thread's handle and
 # its workspace (CUBLAS_WORKSPACE_CONFIG), which lives as long as the process.
 CUBLAS_OPS = frozenset("mm addmm bmm baddbmm addbmm addmv mv dot vdot _addmm_activation".split())
+MIB = 2**20
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -406,19 +407,25 @@ def _collapsible(sizes, strides) -> bool:
     return all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1))
 
 
-def _fft_needs_copy(t: torch.Tensor, dims) -> bool:
+def _contiguous_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= max(n, 1)
+    return strides
+
+
+def _fft_needs_copy(shape, strides, dims) -> bool:
     """_exec_fft permutes the batch dims first (by stride) and reshapes them into one: a copy
-    unless they collapse, or unless every non-transformed dim has size 1."""
-    dims = {d % t.dim() for d in dims}
-    batch = sorted((d for d in range(t.dim()) if d not in dims), key=lambda d: -t.stride(d))
-    return not _collapsible([t.shape[d] for d in batch], [t.stride(d) for d in batch])
+    unless they collapse."""
+    dims = {d % len(shape) for d in dims}
+    batch = sorted((d for d in range(len(shape)) if d not in dims), key=lambda d: -strides[d])
+    return not _collapsible([shape[d] for d in batch], [strides[d] for d in batch])
 
 
 def _conv_bytes(x, w, y) -> tuple[int, int, int]:
     return _nbytes(x), _nbytes(w), _nbytes(y)
 
-
-MIB = 2**20
 
 
 def cudnn_workspace(kind: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> int:
@@ -516,11 +523,11 @@ class CudaKernelMemory:
         x, dims = args[0], args[1]
         plan = [("out", 0)]
         temps = []
-        if func._opname == "_fft_c2r":
+        if func._opname == "_fft_c2r":        # the transform runs on a contiguous clone
             temps.append(_nbytes(x))
-            copy = _fft_needs_copy(x.contiguous(), dims)
+            copy = _fft_needs_copy(x.shape, _contiguous_strides(x.shape), dims)
         else:
-            copy = _fft_needs_copy(x, dims)
+            copy = _fft_needs_copy(x.shape, x.stride(), dims)
         if copy:
             temps.append(_nbytes(x))
         for i, n in enumerate(temps):
