@@ -67,6 +67,9 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
         print(f"tiersep train: {plan.not_resumed}; starting from scratch", file=sys.stderr)
     if plan.resume is None:
         record.clear_finished_outputs(out_dir)
+    else:
+        print(f"tiersep train: resuming {preset['name']} from step {plan.resume['step']} "
+              f"({out_dir / 'checkpoints'})", file=sys.stderr)
     code = Training(plan, data_dir, out_dir, wall_start).run()
     if code == EXIT_OK and outcome_path is not None:
         write_json(outcome_path, {"preset": preset["name"], "status": "trained", "run": str(out_dir / "run.json")})
