@@ -1,0 +1,215 @@
+"""The CPU fit gate's booking of a whole train process (tiersep.memory.cpu_process).
+
+Unit tests of the booking and its inverse, of configure_malloc()'s effect and of the peak-RSS
+measurement; then real `tiersep train` processes (three tiny presets, one checkpointed, validation
+after every step, the export at the end) whose measured peak RSS the booking must cover within
+1.0-1.25x. Real components throughout: the real trace estimate, trainer, data and glibc.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import one_torch_thread
+from test_train_support import make_workspace, tiny_preset
+from tiersep.memory import cpu_process
+from tiersep.memory.estimate import estimate
+
+MIB, GIB = 2**20, 2**30
+ON_GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
+
+
+# ------------------------------------------------------------------------------ booking / budget
+@pytest.mark.parametrize("budget_gib", [1.5, 4, 24, 512])
+@pytest.mark.parametrize("margin", [0.0, 0.08, 0.25])
+def test_live_budget_is_the_inverse_of_the_booking(budget_gib, margin):
+    budget = int(budget_gib * GIB)
+    live_budget = cpu_process.live_budget(budget, margin)
+    # fit accepts a live peak L when L + margin x live_budget <= live_budget:
+    largest_live = int((1 - margin) * live_budget)
+    booked = cpu_process.booking({"peak_bytes": largest_live}, {})["rss_bytes"]
+    assert booked == pytest.approx((1 - margin) * budget, abs=16)   # within rounding
+    one_more = cpu_process.booking({"peak_bytes": largest_live + 1024}, {})["rss_bytes"]
+    assert one_more > (1 - margin) * budget
+
+
+def test_booking_parts_add_up_and_grow_with_the_live_bytes():
+    small = cpu_process.booking({"peak_bytes": 10 * MIB}, {})
+    large = cpu_process.booking({"peak_bytes": 4 * GIB}, {})
+    for b in (small, large):
+        assert b["rss_bytes"] == int(b["process_bytes"] + b["live_factor"] * b["live_bytes"])
+        assert f"{b['process_bytes'] // MIB} MiB" in b["model"] and str(b["live_factor"]) in b["model"]
+    assert small["live_bytes"] == 10 * MIB and large["live_bytes"] == 4 * GIB
+    assert large["rss_bytes"] - small["rss_bytes"] == pytest.approx(
+        large["live_factor"] * (4 * GIB - 10 * MIB), abs=2)
+    # the live tensors are never booked at less than their size
+    assert large["live_factor"] >= 1.0
+
+
+def test_glibc_default_bound_decides_whether_the_malloc_settings_are_needed():
+    booked = cpu_process.booking({"peak_bytes": 1 * GIB}, {})
+    assert booked["rss_bytes_glibc_default"] > booked["rss_bytes"]
+    roomy = int(booked["rss_bytes_glibc_default"] / 0.92) + 1
+    assert not cpu_process.malloc_settings_needed(booked, roomy, 0.08)       # even the bound fits
+    tight = int(booked["rss_bytes"] / 0.92) + 1                              # only the tuned booking fits
+    assert cpu_process.malloc_settings_needed(booked, tight, 0.08)
+    assert cpu_process.malloc_settings_needed(booked, None, 0.08)           # no budget: be predictable
+
+
+def test_live_budget_is_negative_when_the_process_alone_is_over_the_budget():
+    assert cpu_process.live_budget(cpu_process.PROCESS_BYTES // 2, 0.08) < 0
+
+
+# ------------------------------------------------------------------------------ configure_malloc
+# Children load cpu_process by path (it needs only the standard library), so they start in a
+# fraction of a second instead of importing torch through tiersep.memory.
+LOAD_CPU_PROCESS = f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("cpu_process", {str(Path(cpu_process.__file__))!r})
+cpu_process = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cpu_process)
+"""
+FRAGMENT = LOAD_CPU_PROCESS + """
+import ctypes, json, os, sys
+applied = cpu_process.configure_malloc() if sys.argv[1] == "tuned" else None
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def buffer(n):                    # as torch's CPU allocator: malloc, then write every page
+    p = libc.malloc(n); ctypes.memset(p, 1, n); return p
+for n in (2**20, 2**21):          # free a 1 and a 2 MiB buffer: glibc's dynamic threshold climbs
+    libc.free(buffer(n))
+base = rss()
+big, pins = [], []
+for _ in range(100):              # 1 MiB buffers, each followed by a 32 KiB one that stays
+    big.append(buffer(2**20))
+    pins.append(buffer(2**15))
+for p in big:
+    libc.free(p)
+print(json.dumps({"applied": applied, "retained": rss() - base}))
+"""
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="mallopt settings are glibc's")
+def test_configure_malloc_returns_freed_tensor_buffers_to_the_kernel():
+    """100 x 1 MiB freed between pinned 32 KiB buffers: glibc's defaults keep the holes resident
+    (the fragmentation that made a checkpointed step grow ~1.9x its live bytes); with
+    configure_malloc() they go back."""
+    out = {}
+    for variant in ("default", "tuned"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        proc = subprocess.run([sys.executable, "-c", FRAGMENT, variant], text=True, capture_output=True,
+                              env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["tuned"]["applied"] == {"allocator": "glibc", "applied": True,
+                                       "mmap_threshold": cpu_process.MMAP_THRESHOLD,
+                                       "trim_threshold": cpu_process.TRIM_THRESHOLD}
+    assert out["default"]["retained"] > 60 * MIB      # the pattern does fragment glibc's heap
+    assert out["tuned"]["retained"] < 10 * MIB
+
+
+def test_malloc_env_names_the_same_settings():
+    env = cpu_process.malloc_env()
+    assert env == {"MALLOC_MMAP_THRESHOLD_": str(cpu_process.MMAP_THRESHOLD),
+                   "MALLOC_TRIM_THRESHOLD_": str(cpu_process.TRIM_THRESHOLD)}
+
+
+# ------------------------------------------------------------------------------ measuring RSS
+ALLOCATE_64MIB = "b = bytearray(64 * 2**20)"
+
+
+def test_measured_peak_is_the_commands_own_not_its_parents():
+    """A child's ru_maxrss starts at its parent's high-water mark: measured directly from this
+    (pytest + torch) process, a 64 MiB command would read as this process's peak."""
+    hold = bytearray(768 * MIB)   # make sure this process's high-water mark is well above the child's
+    del hold
+    measured = cpu_process.measure_peak_rss([sys.executable, "-c", ALLOCATE_64MIB])
+    assert measured["returncode"] == 0
+    assert 64 * MIB <= measured["peak_rss_bytes"] < 160 * MIB
+    direct = subprocess.Popen([sys.executable, "-c", ALLOCATE_64MIB])
+    _, _, usage = os.wait4(direct.pid, 0)
+    assert usage.ru_maxrss * 1024 >= 768 * MIB        # why the launcher is needed
+
+
+def test_measure_peak_rss_reports_the_exit_code_and_kills_on_timeout():
+    assert cpu_process.measure_peak_rss([sys.executable, "-c", "raise SystemExit(3)"])["returncode"] == 3
+    with pytest.raises(subprocess.TimeoutExpired):
+        cpu_process.measure_peak_rss([sys.executable, "-c", "import time; time.sleep(60)"], timeout=2)
+
+
+def test_own_peak_rss_sees_an_allocation_in_this_process():
+    code = LOAD_CPU_PROCESS + "a = cpu_process.own_peak_rss_bytes(); b = bytearray(96 * 2**20); " \
+        "print(cpu_process.own_peak_rss_bytes() - a)"
+    proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert 90 * MIB <= int(proc.stdout.strip()) < 110 * MIB
+
+
+# ------------------------------------------------------------------------------ real train processes
+# What the trainer does at start-up (configure_malloc() before anything big is allocated), then the
+# real `tiersep train` CLI.
+TRAIN = ("import sys; from tiersep.memory.cpu_process import configure_malloc; configure_malloc(); "
+         "from tiersep.cli import main; sys.exit(main(sys.argv[1:]))")
+RUN = {"model.dropout": 0.0, "train.steps": 2, "train.validate_every": 1, "train.checkpoint_every": 2,
+       "train.validate_segments": 2}
+TRAINED = {
+    "plain": {},
+    "checkpointed": {"model.n_layers": 3, "model.checkpointing": True},
+    "accumulated": {"audio.segment_samples": 6000, "model.emb_dim": 16, "model.attention_dim": 16,
+                    "train.grad_accum": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Booking and measured peak RSS of each TRAINED preset, trained in parallel processes."""
+    root = tmp_path_factory.mktemp("cpu_rss")
+    with one_torch_thread():
+        ws = make_workspace(root)
+        presets = {name: dict(tiny_preset(**RUN, **sets), name=f"rss_{name}") for name, sets in TRAINED.items()}
+        bookings = {name: estimate(p, "trace", "cpu")["cpu_process"] for name, p in presets.items()}
+    results, errors = {}, []
+
+    def train(name):
+        preset_file = root / f"{name}.yaml"
+        preset_file.write_text(yaml.safe_dump(presets[name], sort_keys=False))
+        cmd = [sys.executable, "-c", TRAIN, "train", "--config", str(ws["config_file"]), "--preset",
+               str(preset_file), "--data", str(ws["data"]), "--out", str(root / name)]
+        try:
+            with open(root / f"{name}.log", "w") as log:
+                results[name] = cpu_process.measure_peak_rss(
+                    cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, log=log, timeout=240)
+        except Exception as err:  # noqa: BLE001 - reported by the test
+            errors.append(f"{name}: {err}")
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in TRAINED]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return {"root": root, "presets": presets, "bookings": bookings, "results": results}
+
+
+@pytest.mark.slow   # three real train processes in parallel: ~30 s on two idle cores, ~60 s on busy ones
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_booking_covers_the_real_train_process_within_25_percent(trained, name):
+    result, booking = trained["results"][name], trained["bookings"][name]
+    log = (trained["root"] / f"{name}.log").read_text()
+    assert result["returncode"] == 0, log[-3000:]
+    run = json.loads((trained["root"] / name / "run.json").read_text())
+    assert run["steps"] == RUN["train.steps"]
+    ratio = booking["rss_bytes"] / result["peak_rss_bytes"]
+    assert 1.0 <= ratio <= 1.25, (
+        f"{name}: booked {booking['rss_bytes'] / MIB:.0f} MiB ({booking['model']}, live "
+        f"{booking['live_bytes'] / MIB:.1f} MiB) vs real peak {result['peak_rss_bytes'] / MIB:.0f} MiB")
