@@ -226,11 +226,11 @@ def test_fit_gate_refusal_exits_3_before_training(ws, tmp_path, monkeypatch, cap
 
 
 def test_on_oversize_adapt_trains_the_variant_that_fits(ws, tmp_path, monkeypatch, capsys):
-    """on_oversize: adapt. Micro-batch 8 x 1 of 0.5 s needs ~450 MiB by the CPU gate; with 380 MiB
+    """on_oversize: adapt. Micro-batch 8 x 1 of 0.5 s needs ~1.23 GiB by the CPU gate; with 1200 MiB
     available the trainer trains the variant tiersep.memory.fit derives (same effective batch)."""
     import psutil
 
-    fake = psutil.virtual_memory()._replace(available=380 * 2**20)
+    fake = psutil.virtual_memory()._replace(available=1200 * 2**20)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
     preset = tiny_preset(**{"train.batch_size": 8, "train.grad_accum": 1, "audio.segment_samples": 4000,
                             "model.dropout": 0.0, "train.steps": 2, "train.validate_every": 2})
