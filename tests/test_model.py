@@ -156,6 +156,16 @@ def test_real_rope_equals_the_complex_formula(head_dim, length, base):
         <= 2 ** -7 * reference.abs().max()
 
 
+def test_rope_along_an_inner_axis():
+    """Attention turns q and k while still [N, L, H, d] (positions on axis -3), so that they stay
+    laid out like v in memory; same values as turning the [N, H, L, d] transpose."""
+    rope = RotaryEmbedding(8, 10000.0)
+    x = torch.randn(3, 11, 2, 8)  # [N, L, H, d]
+    inner = rope(x, seq_dim=-3)
+    assert torch.equal(inner, rope(x.transpose(1, 2)).transpose(1, 2))
+    assert inner.is_contiguous() and not torch.equal(inner, x)
+
+
 def test_rms_group_norm_definition():
     norm = RMSGroupNorm(8, 2, eps=1e-5)
     with torch.no_grad():

@@ -120,16 +120,18 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"model.attention_dim / model.n_heads = {head_dim}: must be even for RoPE")
         self.head_dim, self.base = head_dim, base
 
-    def forward(self, x: Tensor) -> Tensor:  # x [N, H, L, d]
+    def forward(self, x: Tensor, seq_dim: int = -2) -> Tensor:  # x [..., L, (heads...,) d]
+        """Turn x, whose positions run along `seq_dim` (counted from the end, -2 or below)."""
         with fp32_region(x):
-            length, device = x.shape[-2], x.device
+            length, device = x.shape[seq_dim], x.device
             exponent = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
             inv_freq = self.base ** -exponent  # [d/2]
             angles = torch.arange(length, device=device).float()[:, None] * inv_freq  # [L, d/2]
+            angles = angles.reshape(length, *[1] * (-seq_dim - 2), -1)  # lined up with x's axes
             cos, sin = angles.cos(), angles.sin()
-            even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [N, H, L, d/2] each
+            even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [..., d/2] each
             turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-            return turned.flatten(-2).to(x.dtype)  # [N, H, L, d]
+            return turned.flatten(-2).to(x.dtype)  # x's shape, contiguous
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str, chunk: int) -> Tensor:
@@ -179,8 +181,11 @@ class MultiHeadSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # x [N, L, E]
         n, length, _ = x.shape
         qkv = self.to_qkv(x).reshape(n, length, 3, self.n_heads, -1)  # [N, L, 3, H, d]
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [N, H, L, d] each
-        q, k = self.rope(q), self.rope(k)
+        q, k, v = qkv.unbind(2)  # [N, L, H, d] each
+        # RoPE before moving the heads forward: q and k come out laid out [N, L, H, d] in memory,
+        # as v is, so SDPA's fused kernels take all three without copying (and saving) any.
+        q, k = self.rope(q, seq_dim=-3), self.rope(k, seq_dim=-3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [N, H, L, d] each
         out = attend(q, k, v, self.dropout if self.training else 0.0, self.backend, self.chunk)
         out = out.transpose(1, 2).reshape(n, length, -1)  # [N, L, A]
         return self.out_dropout(self.to_out(out))  # [N, L, E]
