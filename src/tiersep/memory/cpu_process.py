@@ -66,12 +66,10 @@ def configure_malloc() -> dict:
 # Measuring
 # ---------------------------------------------------------------------------------------------
 def own_peak_rss_bytes() -> int:
-    """This process's peak resident set since exec (VmHWM); unlike getrusage's ru_maxrss it does
-    not start at the parent's high-water mark."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * KIB
-    raise OSError("/proc/self/status: no VmHWM line")
+    """This process's peak resident set since exec (VmHWM; see train.telemetry.peak_rss_bytes)."""
+    from tiersep.train.telemetry import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 # Run in a fresh, small interpreter: start the command, wait for it, write its rusage.

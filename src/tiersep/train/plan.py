@@ -17,6 +17,7 @@ import torch
 from tiersep import config as C
 from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_allocator
 from tiersep.io import read_json
+from tiersep.memory.cpu_process import configure_malloc
 from tiersep.train.oom import plan_micro_batch
 from tiersep.train.resume import resume_state
 from tiersep.train.telemetry import MemoryProbe
@@ -48,6 +49,7 @@ class RunPlan:
     recovered_from: dict | None = None   # the OOM failure this attempt recovers from
     refusal: str | None = None      # set: the run is refused (exit 3)
     memory_fraction: float | None = None
+    malloc: dict | None = None      # host malloc settings the CPU booking assumes (cpu_process)
 
     @property
     def compile(self) -> bool:
@@ -126,12 +128,13 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
               "(same effective batch)", file=sys.stderr)
 
     allocator = configure_cuda_allocator(preset)   # before CUDA starts in this process
+    malloc = configure_malloc()                    # before the model exists: what the CPU gate books
     device = choose_device(preset)
     probe = MemoryProbe(device)
     plan = RunPlan(preset, device, probe, attempt, allocator, probe.start_free_bytes(), probe.process_bytes(),
                    resume=state, not_resumed=not_resumed, resume_warning="; ".join(resume_warnings) or None,
                    downshifted_from=downshifted_from,
-                   memory_fraction=apply_memory_fraction(device))
+                   memory_fraction=apply_memory_fraction(device), malloc=malloc)
     if previous_failure and previous_failure.get("kind") == "oom":
         plan.recovered_from = previous_failure   # only an OOM is "recovered from" by this run
     elif state:

@@ -72,7 +72,7 @@ def run_record(run, weights_step: int) -> dict:
         "start_process_bytes": plan.start_process,
         "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_reserved, **measured,
         "allocator": plan.allocator if plan.device.type == "cuda" else None,
-        "memory_fraction": plan.memory_fraction,
+        "memory_fraction": plan.memory_fraction, "malloc": plan.malloc,
         "wall_seconds": round(time.time() - run.wall_start, 3),
         "train_seconds": round(run.train_seconds(), 3),
         "steps": run.step, "steps_this_process": run.steps_this_process,

@@ -160,7 +160,14 @@ class MemoryProbe:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    """Peak resident set size of this process since exec: VmHWM on Linux (getrusage's ru_maxrss
+    starts at the parent's high-water mark, so a small child of a big parent reads big), else
+    ru_maxrss (macOS reports bytes)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
