@@ -28,6 +28,7 @@ from tiersep.data.ingest import (STEM_FILES, Source, SourceTrack, TrackProblem, 
                                  root_fingerprint)
 from tiersep.data.synthetic import generator_settings
 from tiersep.io import atomic_dir, read_json, write_json
+from tiersep.records import validate_record
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -110,7 +111,7 @@ def prepare(cfg: dict, out_dir: Path, sample_rate: int, progress: bool = True) -
                                 f"({len(skipped)} skipped: {skipped[0]['reason'] if skipped else ''})")
         manifest = build_manifest(request, source, sample_rate, tracks, splits, skipped,
                                   time.perf_counter() - start)
-        write_json(tmp / MANIFEST, manifest)
+        write_json(tmp / MANIFEST, validate_record("manifest", manifest, Path(out_dir) / MANIFEST))
     seconds = time.perf_counter() - start
     size = sum(f["bytes"] for t in tracks for f in t["files"].values())
     rates = "/".join(map(str, manifest["source_sample_rates"]))
