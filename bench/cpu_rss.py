@@ -3,15 +3,15 @@
 For each preset below: the `trace` estimate on cpu (live tensor bytes), the booking of
 tiersep.memory.cpu_process (what the gate compares with the budget), and the peak RSS of a real
 `tiersep train` process (a few steps, validation every step, the export at the end), measured
-from outside with os.wait4 through cpu_process.measure_peak_rss. Each preset is trained with the
-malloc settings the booking assumes (cpu_process.configure_malloc() called before the CLI, as the
-trainer does) and, for contrast, with glibc's defaults.
+from outside with os.wait4 through cpu_process.measure_peak_rss. Each preset is trained as the
+trainer runs (`tuned`: it applies cpu_process.configure_malloc(), the malloc settings the booking
+assumes) and, for contrast, with that call turned into a no-op (`default`: glibc as it comes).
 
     python bench/cpu_rss.py                        # all presets -> bench/results/cpu_rss.md
     python bench/cpu_rss.py --only cpu_tiny --phases cpu_tiny --no-write   # where the memory goes
 
---phases also runs the presets it names once more in a probe process that samples its own RSS every millisecond
-and marks the trainer's phases (gate/trace, build, step, validate, checkpoint, export); what it
+--phases also runs the presets it names once more in a probe process that samples its own RSS
+every millisecond and marks the trainer's phases (gate/trace, build, step, validate, checkpoint, export); what it
 prints is diagnostic (the real figures are the outside measurements).
 """
 from __future__ import annotations
@@ -58,11 +58,13 @@ PRESETS = {
                                      "train.validate_segments": 2},
                            "8 kHz, 1.5 s, n_fft 512, 5 layers x 48, accumulation 2"),
 }
-VARIANTS = ("tuned", "default")   # configure_malloc() applied / glibc as it comes
+VARIANTS = ("tuned", "default")   # the trainer as it is (configure_malloc applied) / glibc as it comes
 
-# A `tiersep train` whose process first applies configure_malloc(), as the trainer does.
-TUNED_TRAIN = ("import sys; from tiersep.memory.cpu_process import configure_malloc; configure_malloc(); "
-               "from tiersep.cli import main; sys.exit(main(sys.argv[1:]))")
+# `tiersep train` with the trainer's configure_malloc() call turned into a no-op: glibc's defaults.
+GLIBC_DEFAULT_TRAIN = (
+    "import sys; import tiersep.train.plan as plan; "
+    "plan.configure_malloc = lambda: {'allocator': 'glibc', 'applied': False, 'reason': 'bench: glibc defaults'}; "
+    "from tiersep.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def make_preset(name: str, steps: int) -> dict:
@@ -90,12 +92,16 @@ def prepared(work: Path, rate: int) -> Path:
     return folder
 
 
-def train_command(preset_file: Path, data: Path, out: Path, tuned: bool) -> list[str]:
-    args = ["train", "--config", str(ROOT / "tests" / "configs" / "tiny.yaml"), "--preset", str(preset_file),
+def train_args(preset_file: Path, data: Path, out: Path) -> list[str]:
+    return ["train", "--config", str(ROOT / "tests" / "configs" / "tiny.yaml"), "--preset", str(preset_file),
             "--data", str(data), "--out", str(out)]
+
+
+def train_command(preset_file: Path, data: Path, out: Path, tuned: bool) -> list[str]:
+    args = train_args(preset_file, data, out)
     if tuned:
-        return [sys.executable, "-c", TUNED_TRAIN, *args]
-    return [sys.executable, "-m", "tiersep.cli", *args]
+        return [sys.executable, "-m", "tiersep.cli", *args]
+    return [sys.executable, "-c", GLIBC_DEFAULT_TRAIN, *args]
 
 
 def child_env(threads: int) -> dict:
@@ -129,6 +135,9 @@ def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases
         if result["returncode"] != 0:
             raise RuntimeError(f"{name} ({variant}): tiersep train exited {result['returncode']}; see {log_path}")
         run = json.loads((out / "run.json").read_text())
+        applied = bool((run.get("malloc") or {}).get("applied"))
+        if applied != (variant == "tuned"):
+            raise RuntimeError(f"{name} ({variant}): run.json malloc is {run.get('malloc')}")
         row["runs"][variant] = {**result, "wall_s": round(time.time() - started, 1),
                                 "start_process_bytes": run["start_process_bytes"],
                                 "steps_per_s": run["steps_per_s"]}
@@ -148,8 +157,8 @@ PHASE_HOOKS = [("plan_run", "gate+trace"), ("run_gate", "gate+trace"), ("Trainin
 
 def phase_profile(preset_file: Path, data: Path, out: Path, threads: int, tuned: bool) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-phases", *(["--tuned"] if tuned else []),
-           "--", *train_command(preset_file, data, out, False)[3:]]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-phases",
+           *([] if tuned else ["--glibc-default"]), "--", *train_args(preset_file, data, out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -158,7 +167,7 @@ def phase_profile(preset_file: Path, data: Path, out: Path, threads: int, tuned:
     return json.loads(lines[-1])["phases"]
 
 
-def child_phases(argv: list[str], tuned: bool) -> int:
+def child_phases(argv: list[str], glibc_default: bool) -> int:
     """In the probe process: sample RSS every ms, mark phases, run the CLI, print the phases as JSON."""
     import threading
 
@@ -176,15 +185,14 @@ def child_phases(argv: list[str], tuned: bool) -> int:
 
     threading.Thread(target=sampler, daemon=True).start()
     mark("python start")
-    if tuned:
-        from tiersep.memory.cpu_process import configure_malloc
-        configure_malloc()
     import torch  # noqa: F401
 
     mark("import torch")
     from tiersep import cli
-    from tiersep.train import trainer
+    from tiersep.train import plan, trainer
     mark("imports")
+    if glibc_default:
+        plan.configure_malloc = lambda: {"allocator": "glibc", "applied": False, "reason": "bench"}
     for dotted, label in PHASE_HOOKS:
         owner_name, _, attr = dotted.rpartition(".")
         owner = getattr(trainer, owner_name, None) if owner_name else trainer
@@ -305,9 +313,9 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         "- real: peak RSS of the whole `tiersep train` process, exit included (os.wait4 ru_maxrss through a "
         "fresh launcher: `cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run, "
         "after the imports) / live.",
-        f"- tuned: `cpu_process.configure_malloc()` called before the CLI, as the trainer does (glibc "
+        f"- tuned: `tiersep train` as it is: the trainer applies `cpu_process.configure_malloc()` (glibc "
         f"mmap threshold {cpu_process.MMAP_THRESHOLD // KIB} KiB, trim threshold "
-        f"{cpu_process.TRIM_THRESHOLD // KIB} KiB; the same as `{env}`). default: glibc as it comes.", "",
+        f"{cpu_process.TRIM_THRESHOLD // KIB} KiB; the same as `{env}`). default: the same with that call made a no-op (glibc as it comes).", "",
         *table(rows, variants), "",
         f"Booking / real, tuned: {ratio_range(rows, 'tuned', 'rss_bytes')} (target 1.0 to 1.25). "
         f"glibc-default bound / real, default: {ratio_range(rows, 'default', 'rss_bytes_glibc_default')} "
@@ -333,11 +341,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_rss.md")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--child-phases", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tuned", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--glibc-default", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_phases:
-        return child_phases([a for a in args.rest if a != "--"], args.tuned)
+        return child_phases([a for a in args.rest if a != "--"], args.glibc_default)
 
     import torch
 

@@ -156,10 +156,6 @@ def test_own_peak_rss_sees_an_allocation_in_this_process():
 
 
 # ------------------------------------------------------------------------------ real train processes
-# What the trainer does at start-up (configure_malloc() before anything big is allocated), then the
-# real `tiersep train` CLI.
-TRAIN = ("import sys; from tiersep.memory.cpu_process import configure_malloc; configure_malloc(); "
-         "from tiersep.cli import main; sys.exit(main(sys.argv[1:]))")
 RUN = {"model.dropout": 0.0, "train.steps": 2, "train.validate_every": 1, "train.checkpoint_every": 2,
        "train.validate_segments": 2}
 TRAINED = {
@@ -183,7 +179,7 @@ def trained(tmp_path_factory):
     def train(name):
         preset_file = root / f"{name}.yaml"
         preset_file.write_text(yaml.safe_dump(presets[name], sort_keys=False))
-        cmd = [sys.executable, "-c", TRAIN, "train", "--config", str(ws["config_file"]), "--preset",
+        cmd = [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset",
                str(preset_file), "--data", str(ws["data"]), "--out", str(root / name)]
         try:
             with open(root / f"{name}.log", "w") as log:
@@ -209,6 +205,7 @@ def test_booking_covers_the_real_train_process_within_25_percent(trained, name):
     assert result["returncode"] == 0, log[-3000:]
     run = json.loads((trained["root"] / name / "run.json").read_text())
     assert run["steps"] == RUN["train.steps"]
+    assert run["malloc"]["applied"] is True     # the trainer applied what the booking assumes
     ratio = booking["rss_bytes"] / result["peak_rss_bytes"]
     assert 1.0 <= ratio <= 1.25, (
         f"{name}: booked {booking['rss_bytes'] / MIB:.0f} MiB ({booking['model']}, live "
