@@ -76,8 +76,9 @@ def test_efficient_attention_has_no_score_matrix(large):
     assert modelled_backend(C.set_field(large, "train.precision", "bf16"), "cuda") == "flash"
 
 
-def test_xlarge_traces_in_seconds_with_little_ram():
-    """Fake tensors allocate nothing: a multi-TiB step traces in a fresh process with < 1.5 GiB RSS."""
+def test_xlarge_traces_with_little_ram():
+    """Fake tensors allocate nothing: a multi-TiB step traces in a fresh process with < 1.5 GiB RSS.
+    (How long it takes is a benchmark, not a test: bench/estimate_time.py.)"""
     code = textwrap.dedent("""
         import json, resource, time
         from tiersep import config as C
@@ -92,7 +93,6 @@ def test_xlarge_traces_in_seconds_with_little_ram():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["peak"] > 1024 * GIB          # it did trace the real sizes
     assert result["rss"] < 1.5 * GIB
-    assert result["seconds"] < 120              # ~6 s on an idle core; generous for a shared machine
 
 
 @pytest.mark.parametrize("fields", [
