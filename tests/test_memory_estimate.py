@@ -77,8 +77,9 @@ def test_efficient_attention_has_no_score_matrix(large):
 
 
 def test_xlarge_traces_with_little_ram():
-    """Fake tensors allocate nothing: a multi-TiB step traces in a fresh process with < 1.5 GiB RSS.
-    (How long it takes is a benchmark, not a test: bench/estimate_time.py.)"""
+    """Fake tensors allocate nothing: a multi-TiB step traces in a fresh process with < 2.5 GiB RSS
+    (1.8 GiB measured since the trace follows the real allocation sequence over several steps; it
+    was 0.65 GiB with one step). How long it takes is a benchmark: bench/estimate_time.py."""
     code = textwrap.dedent("""
         import json, resource, time
         from tiersep import config as C
@@ -92,7 +93,7 @@ def test_xlarge_traces_with_little_ram():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["peak"] > 1024 * GIB          # it did trace the real sizes
-    assert result["rss"] < 1.5 * GIB
+    assert result["rss"] < 2.5 * GIB
 
 
 @pytest.mark.parametrize("fields", [
