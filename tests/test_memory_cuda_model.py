@@ -298,3 +298,21 @@ def test_efficient_backward_workspace_is_the_recorded_one(B, L, recorded):
     from tiersep.memory.cuda_model import efficient_backward_workspace
 
     assert efficient_backward_workspace(B, 4, L, 24, torch.float32) == recorded
+
+
+@pytest.mark.parametrize("fields", [{"train__grad_accum": 3}, {"train__grad_accum": 2, "model__checkpointing": True,
+                                                                 "train__precision": "fp32"}])
+def test_derived_micro_batches_match_traced_ones(fields, monkeypatch):
+    """Micro-batches after the first are derived from it (gradients summed in place); tracing the
+    second and repeating it gives the same allocator peaks."""
+    import tiersep.memory.trace as trace
+
+    preset = small_preset(model__dropout=0.1, **fields)
+    results = []
+    for traced in (1, 2):
+        monkeypatch.setattr(trace, "TRACED_MICRO_BATCHES", traced)
+        r = trace.trace_step(preset, "cuda")
+        results.append((r.allocated_peak, r.reserved_peak, r.micro_batches_traced))
+    (alloc1, reserved1, n1), (alloc2, reserved2, n2) = results
+    assert (n1, n2) == (1, 2)
+    assert alloc1 == pytest.approx(alloc2, rel=1e-3) and reserved1 == pytest.approx(reserved2, rel=1e-3)

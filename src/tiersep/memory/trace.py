@@ -12,8 +12,8 @@ moved to the device one by one, the AdamW state created by one step on zero grad
 micro-batch's inputs made resident (0.1 * randn), then `steps` training steps. The first step is
 traced; later ones repeat its events, after freeing what it left (the gradients, which the next
 step's zero_grad frees first), so that the allocator sees the steady state a long run reaches.
-With gradient accumulation, two micro-batches are traced: the first creates the gradients, the
-second adds to them, and the micro-batches after it repeat the second's events.
+With gradient accumulation, the first micro-batch is traced and the others repeat its events, except
+that each new gradient is freed as soon as it is made (autograd adds it into `.grad` in place).
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 # Training steps replayed through the allocator model: the caching allocator's segments reach their
 # steady state within three steps (bench/trace_vs_events.py), as in the shared H100 measurements.
 STEPS = 3
-# Micro-batches traced: the first creates the gradients, the second accumulates into them and is
-# the template later ones repeat (its frees of the first's allocations become frees of the copy before).
-TRACED_MICRO_BATCHES = 2
+# Micro-batches traced: 1 (later ones are derived from it, see _accumulating_copies), or 2 (the second
+# is the template of the later ones: slower, kept to check the derivation, tests/test_memory_cuda_model.py).
+TRACED_MICRO_BATCHES = 1
 
 
 @dataclass
@@ -81,10 +81,10 @@ class RecordedStep:
 
 @contextlib.contextmanager
 def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | None, dtype,
-                   starts: list | None = None):
-    """Mark the forward phase (and each forward's first event index in `starts`); for CUDA
-    emulation, hold CPU autocast on around model.forward as train_step holds CUDA autocast (the
-    trace's tensors are CPU tensors)."""
+                   starts: list | None = None, ends: list | None = None):
+    """Mark the forward phase (and each forward's first and last event index in `starts`, `ends`);
+    for CUDA emulation, hold CPU autocast on around model.forward as train_step holds CUDA autocast
+    (the trace's tensors are CPU tensors)."""
     state = {}
 
     def pre(module, args):
@@ -96,6 +96,8 @@ def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | No
             state["ctx"].__enter__()
 
     def post(module, args, output):
+        if ends is not None:
+            ends.append(len(tracker.timeline.events))
         if state.get("ctx") is not None:
             state.pop("ctx").__exit__(None, None, None)
             emulation.clear_cast_cache()
@@ -154,24 +156,75 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         step_start = len(tracker.timeline.events)
         traced = min(len(work.inputs), TRACED_MICRO_BATCHES)
         starts: list[int] = []
+        ends: list[int] = []
 
         with contextlib.ExitStack() as stack:
             if emulation is not None:
                 stack.enter_context(emulation)
             stack.enter_context(tracker)
-            stack.enter_context(_forward_hooks(model, tracker, emulation, bf16, starts))
+            stack.enter_context(_forward_hooks(model, tracker, emulation, bf16, starts, ends))
             train_step(model, work.loss_fn, optimizer, work.inputs[:traced], preset, device)
         tracker.stop()
         gradients = {tracker.key_of(p.grad) for p in params if p.grad is not None}
 
     timeline = tracker.timeline
+    persistent = {k for k, a in timeline.allocations.items() if a.op.startswith("<cublas workspace")}
     if len(work.inputs) > traced:
         update = next(i for i in range(starts[-1], len(timeline.phases)) if timeline.phases[i] == UPDATE)
-        timeline = _more_micro_batches(timeline, starts[-2:], update, len(work.inputs) - traced)
-    persistent = {k for k, a in timeline.allocations.items() if a.op.startswith("<cublas workspace")}
+        extra = len(work.inputs) - traced
+        if traced == 1:
+            timeline = _accumulating_copies(timeline, (starts[0], ends[0], update), extra, gradients, persistent)
+        else:
+            timeline = _more_micro_batches(timeline, starts[-2:], update, extra)
     return RecordedStep(timeline, step_start, sum(p.numel() for p in params), weights - {None},
                         optimizer_keys - {None}, host - {None}, inputs - {None}, gradients - {None},
                         persistent, traced, emulation)
+
+
+def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, gradients: set,
+                         persistent: set) -> Timeline:
+    """Insert `extra` micro-batches made from the first one before the update. marks: the first
+    micro-batch's first event, its forward's last event, and the update's first event. A copy has
+    the first one's allocations under new keys, except that a new gradient is freed right after it
+    is made (AccumulateGrad adds it into .grad in place, where the first micro-batch's became .grad)
+    and the cuBLAS workspaces exist already. What a micro-batch leaves alive besides gradients (its
+    estimates and loss, which train_step's next assignments drop) is freed after the next forward."""
+    start, forward_end, update = marks
+    window, phases = tl.events[start:update], tl.phases[start:update]
+    born = {k for k, s in window if s > 0}
+    if any(s < 0 and k not in born for k, s in window):
+        raise RuntimeError("trace: the first micro-batch frees what it did not allocate; cannot repeat it")
+    alive = set()
+    for key, sign in window:
+        (alive.add if sign > 0 else alive.discard)(key)
+    leftovers = sorted(alive - gradients - persistent)
+    out = Timeline(dict(tl.allocations), list(tl.events[:update]), list(tl.phases[:update]))
+    next_key = max(tl.allocations) + 1
+    previous = {k: k for k in leftovers}       # the leftovers of the micro-batch before
+    for _ in range(extra):
+        fresh = {}
+        for i, ((key, sign), phase) in enumerate(zip(window, phases)):
+            if i == forward_end - start:
+                for k in leftovers:
+                    out.events.append((previous[k], -1))
+                    out.phases.append(phase)
+            if key in persistent:
+                continue
+            if sign > 0:
+                a = tl.allocations[key]
+                fresh[key] = next_key
+                out.allocations[next_key] = Allocation(next_key, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+                next_key += 1
+            out.events.append((fresh[key], sign))
+            out.phases.append(phase)
+            if sign > 0 and key in gradients:
+                out.events.append((fresh[key], -1))
+                out.phases.append(phase)
+        previous = {k: fresh[k] for k in leftovers}
+    for (key, sign), phase in zip(tl.events[update:], tl.phases[update:]):
+        out.events.append((previous.get(key, key), sign))
+        out.phases.append(phase)
+    return out
 
 
 def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: int) -> Timeline:
