@@ -81,28 +81,6 @@ def cuda_autocast_ops() -> set[str]:
 def _eligible(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
-# Python-level names (torch.*, Tensor methods, torch.nn.functional) that differ from the aten name.
-_ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
-
-
-def policy_of(name: str) -> str | None:
-    name = _ALIASES.get(name, name)
-    for label, names in (("lower", LOWER_PRECISION), ("fp32", FP32), ("fp32_output", FP32_OUTPUT),
-                         ("promote", PROMOTE)):
-        if name in names:
-            return label
-    return None
-
-
-def cuda_autocast_ops() -> set[str]:
-    """Names of the aten ops this torch build registers an AutocastCUDA kernel for."""
-    regs = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
-    return {r.split("::", 1)[1].split(".", 1)[0] for r in regs}
-
-
-def _eligible(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
