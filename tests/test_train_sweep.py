@@ -41,7 +41,7 @@ def test_three_trial_sweep_in_separate_processes(tmp_path):
     cfg = C.load_config(wf / "sweep.yaml", {"presets_dir": str(wf / "tests/configs/presets")})
     trials = list(expand_trials(cfg))
     assert trials == ["test_tiny--lr1e-3--seed0", OOM_TRIAL, "test_tiny--lr1e-3--seed2"]
-    targets = [f"results/train/{t}/run.json" for t in trials]
+    targets = [f"results/train/{t}/outcome.json" for t in trials]   # the train checkpoint's output
     proc = run_snakemake(wf, *targets, "--cores", "1", "--configfile", "sweep.yaml", timeout=400,
                          env={"TIERSEP_INJECT_OOM": f"step=1,max_batch=1,preset={OOM_TRIAL}"})
     runs = {t: json.loads((wf / "results" / "train" / t / "run.json").read_text()) for t in trials}
