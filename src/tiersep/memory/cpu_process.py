@@ -1,8 +1,9 @@
 """What a CPU training process occupies beyond the live tensors the trace counts.
 
 On a CPU the estimate's peak_bytes is the peak of live tensor bytes; the fit gate books the whole
-`tiersep train` process's peak RSS, predicted here (`booking`): a process allowance (torch and
-tiersep imports, the gate's in-process trace, library pages touched at exit) plus the live bytes
+`tiersep train` process's peak RSS, predicted here (`booking`): a process allowance measured on
+this machine (`process_allowance`: what the train imports hold, library pages touched at exit
+included, plus the run's fixed part: the gate's in-process trace, model, loader) plus the live bytes
 times a factor that covers validation, export and what malloc holds beyond the live tensors.
 Measurements: bench/cpu_rss.py -> bench/results/cpu_rss.md.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import signal
@@ -108,22 +110,46 @@ def measure_peak_rss(cmd: list[str], env: dict | None = None, cwd=None, log=None
 # ---------------------------------------------------------------------------------------------
 # The booking
 # ---------------------------------------------------------------------------------------------
-# The train process's peak RSS = PROCESS_BYTES + LIVE_FACTOR x the step's live tensor bytes, with
-# configure_malloc() applied (bench/results/cpu_rss.md: 1.06-1.18x the real peak over 7 presets and
-# 3 test presets). PROCESS_BYTES: what a `tiersep train` process holds whatever the preset, at its
-# peak: torch 2.11 + tiersep imports (640 MiB, half of it shared-library pages), the gate's
-# in-process trace (~140 MiB, none with a usable estimate file), ~120-170 MiB of library pages
-# touched at interpreter exit, the model, loader and validation segments of a small preset; the
-# smallest presets peak at 950-1010 MiB (the spread between runs). LIVE_FACTOR: over the RSS after
-# the gate's trace (~790 MiB) the three large presets peaked 1.03-1.07x their live bytes higher
-# (validation, export, accumulation and checkpointing included), booked at 1.10. Another torch
-# build (a CPU-only wheel maps far fewer library pages) is booked conservatively.
-PROCESS_BYTES = 1010 * MIB
+# The train process's peak RSS = the process allowance + LIVE_FACTOR x the step's live tensor
+# bytes, with configure_malloc() applied (bench/results/cpu_rss.md).
+# The allowance is measured on the machine, not a constant: a fresh interpreter that imports what
+# `tiersep train` imports peaks (at exit) at 612-670 MiB on one machine alone, depending on how the
+# page cache holds torch's shared libraries (large folios map more pages per fault). A tiny
+# preset's train process peaked at 784 and 837 MiB there, moving with the import-only peak to the
+# MiB, and at 1049-1072 MiB on the CI machine, where a constant 1010 MiB under-booked it.
+# RUN_BYTES: what a train process adds to that whatever the preset: the gate's in-process trace
+# (~140 MiB), the model, loader and validation segments of a small preset; tiny presets (live
+# 10-90 MiB) peaked 166-172 MiB above the import-only peak, booked at 220.
+# LIVE_FACTOR: the large presets peaked 1.03-1.07x their live bytes above the rest (validation,
+# export, accumulation and checkpointing included), booked at 1.10.
+# FALLBACK_PROCESS_BYTES: the allowance when the measurement cannot run (the bench machine's).
+RUN_BYTES = 220 * MIB
 LIVE_FACTOR = 1.10
+FALLBACK_PROCESS_BYTES = 1010 * MIB
 # Without configure_malloc() glibc's heap fragments by 1.0-1.9x the live bytes, depending on the
 # shape (checkpointing and bf16 worst): no factor is tight, this one bounds every measured preset.
 GLIBC_DEFAULT_FACTOR = 2.5
 MALLOC_ASSUMED = f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (cpu_process.configure_malloc)"
+# What `tiersep train` imports before it builds anything (cli.cmd_train -> train.trainer).
+TRAIN_IMPORTS = "import tiersep.cli, tiersep.train.trainer"
+
+
+@functools.cache
+def process_allowance() -> dict:
+    """What a `tiersep train` process on this machine holds whatever the preset: the measured peak
+    RSS of a fresh interpreter doing the train imports (exit included, ~2 s, once per process) plus
+    RUN_BYTES. Falls back to FALLBACK_PROCESS_BYTES, saying why, when the measurement fails."""
+    try:
+        measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS], env={**os.environ, **malloc_env()},
+                                    timeout=120)
+        if measured["returncode"] != 0:
+            raise RuntimeError(f"the import probe exited {measured['returncode']}")
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as err:
+        return {"process_bytes": FALLBACK_PROCESS_BYTES, "imports_peak_bytes": None,
+                "source": f"fallback ({err})"}
+    imports = measured["peak_rss_bytes"]
+    return {"process_bytes": imports + RUN_BYTES, "imports_peak_bytes": imports,
+            "source": f"measured: train imports peak at {imports // MIB} MiB here + {RUN_BYTES // MIB} MiB run"}
 
 
 def booking(record: dict, preset: dict) -> dict:
@@ -132,10 +158,12 @@ def booking(record: dict, preset: dict) -> dict:
     is not needed by this model (validation, export, precision and checkpointing fall inside the
     measured factor); it stays in the signature for models that need it."""
     live = int(record["peak_bytes"])
-    return {"rss_bytes": int(PROCESS_BYTES + LIVE_FACTOR * live), "live_bytes": live,
-            "process_bytes": PROCESS_BYTES, "live_factor": LIVE_FACTOR, "malloc": MALLOC_ASSUMED,
-            "rss_bytes_glibc_default": int(PROCESS_BYTES + GLIBC_DEFAULT_FACTOR * live),
-            "model": f"{PROCESS_BYTES // MIB} MiB process + {LIVE_FACTOR} x live tensor bytes"}
+    allowance = process_allowance()
+    process = allowance["process_bytes"]
+    return {"rss_bytes": int(process + LIVE_FACTOR * live), "live_bytes": live,
+            "process_bytes": process, "process_source": allowance["source"], "live_factor": LIVE_FACTOR,
+            "malloc": MALLOC_ASSUMED, "rss_bytes_glibc_default": int(process + GLIBC_DEFAULT_FACTOR * live),
+            "model": f"{process // MIB} MiB process + {LIVE_FACTOR} x live tensor bytes"}
 
 
 def malloc_settings_needed(booked: dict, budget_bytes: int | None, safety_margin: float) -> bool:
@@ -144,12 +172,3 @@ def malloc_settings_needed(booked: dict, budget_bytes: int | None, safety_margin
     if budget_bytes is None:
         return True
     return booked["rss_bytes_glibc_default"] + safety_margin * budget_bytes > budget_bytes
-
-
-def live_budget(budget_bytes: int, safety_margin: float) -> int:
-    """The live-tensor budget that books to `budget_bytes` (what `fit` searches against on CPU): a
-    live peak L fits it with the margin, L <= (1 - margin) x live_budget, exactly when its booking
-    fits the budget, booking(L) <= (1 - margin) x budget_bytes. Negative when the process alone
-    does not fit."""
-    keep = 1.0 - safety_margin
-    return int((budget_bytes * keep - PROCESS_BYTES) / LIVE_FACTOR / keep)
