@@ -118,6 +118,8 @@ def test_gpu_info_is_none_without_a_driver():
     """This machine has no NVIDIA driver: NVML is absent and every reading is None, not an error."""
     assert gpu_info.free_bytes() is None
     assert gpu_info.processes() is None
+    assert gpu_info.name() is None and gpu_info.driver_version() is None
+    assert gpu_info.other_processes_bytes() == 0
 
 
 def test_gpu_info_reads_nvml(monkeypatch):
@@ -131,10 +133,13 @@ def test_gpu_info_reads_nvml(monkeypatch):
         nvmlDeviceGetComputeRunningProcesses=lambda handle: [
             proc(pid=101, usedGpuMemory=2**30), proc(pid=os.getpid(), usedGpuMemory=5 * 2**30),
             proc(pid=202, usedGpuMemory=None)],
-        nvmlDeviceGetGraphicsRunningProcesses=lambda handle: [proc(pid=101, usedGpuMemory=2**20)])
+        nvmlDeviceGetGraphicsRunningProcesses=lambda handle: [proc(pid=101, usedGpuMemory=2**20)],
+        nvmlDeviceGetName=lambda handle: b"NVIDIA H100 80GB HBM3", nvmlSystemGetDriverVersion=lambda: "580.95.05")
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert gpu_info.free_bytes() == 7 * 2**30
     found = gpu_info.processes(exclude_pid=os.getpid())
     assert [(p["pid"], p["used_bytes"]) for p in found] == [(101, 2**30 + 2**20), (202, None)]
     assert gpu_info.processes()[0] == {"pid": os.getpid(), "name": gpu_info._process_name(os.getpid()),
                                        "used_bytes": 5 * 2**30}
+    assert gpu_info.other_processes_bytes() == 2**30 + 2**20      # the others, hidden usage as 0
+    assert (gpu_info.name(), gpu_info.driver_version()) == ("NVIDIA H100 80GB HBM3", "580.95.05")

@@ -65,7 +65,7 @@ def estimate_device(cfg: dict, name: str, preset: dict, wanted: str | None) -> s
     """The device an estimate models (estimate.device): auto = a trained tier's own training device
     (train.device; its auto means cuda when NVML sees a GPU, no CUDA context opened), cuda for the
     estimate-only tiers."""
-    from tiersep.memory.calibration import gpu_name
+    from tiersep import gpu_info
     from tiersep.train.sweep import expand_trials
 
     wanted = wanted or cfg["estimate"]["device"]
@@ -76,7 +76,7 @@ def estimate_device(cfg: dict, name: str, preset: dict, wanted: str | None) -> s
         return "cuda"
     train_device = preset["train"]["device"]
     if train_device == "auto":
-        return "cuda" if gpu_name() is not None else "cpu"
+        return "cuda" if gpu_info.name() is not None else "cpu"
     return train_device
 
 

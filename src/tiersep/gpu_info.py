@@ -8,6 +8,7 @@ the driver instead. Without a driver or a GPU (this CPU machine, CI) every funct
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 
@@ -21,6 +22,28 @@ def _nvml() -> Iterator:
         yield pynvml
     finally:
         pynvml.nvmlShutdown()
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value   # older pynvml returns bytes
+
+
+def name(index: int = 0) -> str | None:
+    """GPU `index`'s name (as torch.cuda.get_device_name gives it), or None without NVML."""
+    try:
+        with _nvml() as nvml:
+            return _text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index)))
+    except Exception:  # ImportError, NVMLError
+        return None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, or None without NVML."""
+    try:
+        with _nvml() as nvml:
+            return _text(nvml.nvmlSystemGetDriverVersion())
+    except Exception:  # ImportError, NVMLError
+        return None
 
 
 def free_bytes(index: int = 0) -> int | None:
@@ -62,3 +85,8 @@ def _process_name(pid: int) -> str | None:
         return psutil.Process(pid).name()
     except psutil.Error:  # gone, or in another PID namespace
         return None
+
+
+def other_processes_bytes(index: int = 0) -> int:
+    """Device memory other processes hold on GPU `index` (where the driver says), 0 without NVML."""
+    return sum(p["used_bytes"] or 0 for p in processes(index, exclude_pid=os.getpid()) or [])

@@ -20,6 +20,7 @@ import json
 import time
 from pathlib import Path
 
+from tiersep import gpu_info
 from tiersep.config import ConfigError
 
 BUILTIN_DIR = Path(__file__).with_name("calibrations")
@@ -63,23 +64,6 @@ def read(path: str | Path) -> dict:
     return record
 
 
-def gpu_name() -> str | None:
-    """The first GPU's name from NVML (no CUDA context is opened), or None without a GPU/driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:   # pynvml.NVMLError and friends: no driver, no device
-        return None
-    return name.decode() if isinstance(name, bytes) else name
-
-
 def resolve(spec: str = "auto", device_name: str | None = None) -> dict:
     """The calibration record for `spec` (auto, a built-in name, or a file), with `used` saying
     which one and why. `device_name` overrides the NVML look-up (tests, or a known target GPU)."""
@@ -90,7 +74,7 @@ def resolve(spec: str = "auto", device_name: str | None = None) -> dict:
 def _resolve(spec: str, device_name: str | None) -> dict:
     known = builtin()
     if spec == "auto":
-        name = device_name if device_name is not None else gpu_name()
+        name = device_name if device_name is not None else gpu_info.name()
         if name in known:
             return {**read(known[name]), "used": {"name": name, "source": "built-in", "why": "matched this GPU"}}
         worst = max(known, key=lambda n: read(known[n])["context_bytes"] + read(known[n])["cublas_workspace_bytes"])
@@ -118,7 +102,7 @@ def measure(progress=print) -> dict:
     if not torch.cuda.is_available():
         raise ConfigError("no CUDA device is visible: calibrate measures a GPU; run it on the machine "
                           "that trains, then pass the file with --calibration")
-    others = other_processes_bytes()
+    others = gpu_info.other_processes_bytes()
 
     def outside() -> int:   # device use not in torch's reserved memory: the context
         torch.cuda.synchronize()
@@ -143,7 +127,7 @@ def measure(progress=print) -> dict:
     return {
         "name": torch.cuda.get_device_name(0),
         "total_memory_bytes": int(props.total_memory),
-        "driver": _driver_version(),
+        "driver": gpu_info.driver_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "context_after_init_bytes": after_init,
@@ -172,34 +156,3 @@ def _warm_training_step(torch) -> None:
         train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cuda")
         del work
     torch.cuda.synchronize()
-
-
-def other_processes_bytes() -> int:
-    """Device memory held by other processes before this one touched CUDA (NVML's process list;
-    0 when NVML is absent). Only processes count: the measured context is total - free less torch's
-    reserved memory, as in the shared H100 measurements, so the driver's own reserve stays in it."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            return sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return 0
-
-
-def _driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-        return version.decode() if isinstance(version, bytes) else version
-    except Exception:
-        return None

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from tiersep.gpu_info import other_processes_bytes
 from tiersep.io import write_text
-from tiersep.memory.calibration import other_processes_bytes
 
 METRICS_FIELDS = ["step", "time_s", "loss", "lr", "grad_norm", "steps_per_s",
                   "val_loss", "val_sdr", "val_si_sdr"]
