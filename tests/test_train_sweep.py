@@ -4,6 +4,7 @@ starts from the same memory baseline; one trial hits an injected out-of-memory e
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -50,9 +51,14 @@ def test_three_trial_sweep_in_separate_processes(tmp_path):
     assert [r["preset"] for r in runs.values()] == trials
     assert [r["seed"] for r in runs.values()] == [0, 1, 2]
     # Same start-of-job baseline: each job's own footprint at start (nothing inherited from an
-    # earlier trial) and the free memory it saw (RAM here, shared with other work: 10 % slack).
+    # earlier trial), and every trial's process is gone, so the OS has released its memory. The
+    # free memory each saw (start_free_bytes) is the whole machine's RAM on a CPU, moved by any
+    # other work on the machine: it is no isolation figure here (bench/sweep_isolation.py reports
+    # it; on a GPU it is the device's free memory).
     assert spread([r["start_process_bytes"] for r in runs.values()]) < 0.10
-    assert spread([r["start_free_bytes"] for r in runs.values()]) < 0.10
+    for r in runs.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
 
     retried = runs[OOM_TRIAL]
     assert (retried["attempt"], retried["batch_size"], retried["grad_accum"]) == (2, 1, 2)
