@@ -49,24 +49,12 @@ def preset_of(log) -> dict:
 def model_at(rev: str):
     """model_and_loss building tiersep's model and loss as they were at git revision `rev` (the
     logs record the model of their commit; the working tree's may have changed since)."""
-    import importlib.util
-    import subprocess
-    import tempfile
+    from tiersep.model.at_revision import model_and_loss_at
 
-    folder = Path(tempfile.mkdtemp(prefix="tiersep-model-")) / "model_at_rev"
-    folder.mkdir()
-    for name in ("__init__", "tflocoformer", "stft", "loss"):
-        source = subprocess.run(["git", "show", f"{rev}:src/tiersep/model/{name}.py"], cwd=ROOT,
-                                capture_output=True, text=True)
-        if source.returncode != 0:
-            raise SystemExit(f"--model-at {rev}: src/tiersep/model/{name}.py: {source.stderr.strip()}")
-        (folder / f"{name}.py").write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location("model_at_rev", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["model_at_rev"] = module
-    spec.loader.exec_module(module)
-    return lambda preset: (module.build_model(preset), module.build_loss(preset))
+    try:
+        return model_and_loss_at(rev, ROOT)
+    except LookupError as err:
+        raise SystemExit(f"--model-at {rev}: {err}") from None
 
 
 def trace_tokens(preset: dict, workspace_bytes: int, model_and_loss=None) -> tuple[list, object]:

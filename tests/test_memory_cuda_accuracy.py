@@ -14,16 +14,14 @@ the working tree's: the same code on both sides of the comparison.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tiersep import config as C
 from tiersep.memory.estimate import estimate
+from tiersep.model.at_revision import model_at
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "gpu" / "h100-2026-11-22"
@@ -48,21 +46,10 @@ CONFIGURATIONS = _configurations()
 @pytest.fixture(scope="module")
 def measured_model():
     """tiersep.model's build_model and build_loss as they were at the measured commit."""
-    folder = Path(__import__("tempfile").mkdtemp(prefix="tiersep-measured-model-")) / "measured_model"
-    folder.mkdir()
-    for name in ("__init__", "tflocoformer", "stft", "loss"):
-        shown = subprocess.run(["git", "show", f"{MEASURED_COMMIT}:src/tiersep/model/{name}.py"], cwd=ROOT,
-                               capture_output=True, text=True)
-        if shown.returncode != 0:
-            pytest.fail(f"git show {MEASURED_COMMIT}:src/tiersep/model/{name}.py: {shown.stderr.strip()} "
-                        "(these tests need the repository's history: clone without --depth)", pytrace=False)
-        (folder / f"{name}.py").write_text(shown.stdout)
-    spec = importlib.util.spec_from_file_location("measured_model", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["measured_model"] = module
-    spec.loader.exec_module(module)
-    return module
+    try:
+        return model_at(MEASURED_COMMIT, ROOT)
+    except LookupError as err:
+        pytest.fail(str(err), pytrace=False)
 
 
 def _preset(row: dict) -> dict:
