@@ -134,33 +134,47 @@ MALLOC_ASSUMED = f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (cpu_process
 TRAIN_IMPORTS = "import tiersep.cli, tiersep.train.trainer"
 
 
+# Appended to the probe: its peak RSS before exit (VmHWM), so the pages touched at exit are known.
+_PRINT_HWM = ("\nimport os\nif os.path.exists('/proc/self/status'):\n"
+              "    print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])")
+
+
 @functools.cache
 def process_allowance() -> dict:
     """What a `tiersep train` process on this machine holds whatever the preset: the measured peak
     RSS of a fresh interpreter doing the train imports (exit included, ~2 s, once per process) plus
-    RUN_BYTES. Falls back to FALLBACK_PROCESS_BYTES, saying why, when the measurement fails."""
+    RUN_BYTES; and exit_pages_bytes, what that probe touched only at exit (library pages of C++
+    destructors: not in a run's own peak_rss_bytes, read before exit). Falls back to
+    FALLBACK_PROCESS_BYTES, saying why, when the measurement fails."""
     try:
-        measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS], env={**os.environ, **malloc_env()},
-                                    timeout=120)
+        with tempfile.TemporaryFile("w+") as out:
+            measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS + _PRINT_HWM],
+                                        env={**os.environ, **malloc_env()}, log=out, timeout=120)
+            out.seek(0)
+            printed = out.read().split()
         if measured["returncode"] != 0:
             raise RuntimeError(f"the import probe exited {measured['returncode']}")
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as err:
-        return {"process_bytes": FALLBACK_PROCESS_BYTES, "imports_peak_bytes": None,
+        return {"process_bytes": FALLBACK_PROCESS_BYTES, "imports_peak_bytes": None, "exit_pages_bytes": 0,
                 "source": f"fallback ({err})"}
     imports = measured["peak_rss_bytes"]
+    before_exit = int(printed[-1]) * KIB if printed and printed[-1].isdigit() else imports
     return {"process_bytes": imports + RUN_BYTES, "imports_peak_bytes": imports,
+            "exit_pages_bytes": max(0, imports - before_exit),
             "source": f"measured: train imports peak at {imports // MIB} MiB here + {RUN_BYTES // MIB} MiB run"}
 
 
 def booking(record: dict, preset: dict) -> dict:
     """The predicted peak RSS of a `tiersep train` process for this CPU estimate, with its parts.
-    rss_bytes assumes configure_malloc(); rss_bytes_glibc_default bounds a run without it. `preset`
-    is not needed by this model (validation, export, precision and checkpointing fall inside the
+    rss_bytes: its whole life's peak, what the gate books; run_rss_bytes: its peak before exit,
+    what run.json's peak_rss_bytes measures (the report compares those). Both assume
+    configure_malloc(); rss_bytes_glibc_default bounds a run without it. `preset` is not needed by this model (validation, export, precision and checkpointing fall inside the
     measured factor); it stays in the signature for models that need it."""
     live = int(record["peak_bytes"])
     allowance = process_allowance()
     process = allowance["process_bytes"]
-    return {"rss_bytes": int(process + LIVE_FACTOR * live), "live_bytes": live,
+    rss = int(process + LIVE_FACTOR * live)
+    return {"rss_bytes": rss, "run_rss_bytes": rss - allowance["exit_pages_bytes"], "live_bytes": live,
             "process_bytes": process, "process_source": allowance["source"], "live_factor": LIVE_FACTOR,
             "malloc": MALLOC_ASSUMED, "rss_bytes_glibc_default": int(process + GLIBC_DEFAULT_FACTOR * live),
             "model": f"{process // MIB} MiB process + {LIVE_FACTOR} x live tensor bytes"}

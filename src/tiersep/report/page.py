@@ -265,8 +265,9 @@ def memory_table(tiers: list[Tier]) -> Table:
         "measured peak_device_bytes (device total − free, what nvidia-smi shows); allocated: "
         "allocated_peak_bytes vs torch.cuda.max_memory_allocated (live tensors); reserved: "
         "reserved_peak_bytes vs torch.cuda.max_memory_reserved.",
-        "CPU — process RSS: what the fit gate books for the process (gate_required_bytes) vs the "
-        "measured peak resident set size; live tensor bytes: estimate peak_bytes vs the tensor bytes "
+        "CPU — process RSS: what the fit gate books for the process before exit "
+        "(cpu_process.run_rss_bytes: gate_required_bytes less the library pages touched only at "
+        "interpreter exit) vs the measured peak resident set size before exit; live tensor bytes: estimate peak_bytes vs the tensor bytes "
         "the trainer counted (peak_allocated_bytes; not recorded by trainers that logged the RSS there).",
     ]
     if any(memory.not_comparable(t) not in (None, "no estimate") for t in tiers):
@@ -457,18 +458,34 @@ def _estimate_field(key: str, fmt: Callable = str) -> Callable[[Tier], str]:
     return cell
 
 
-def _calibration(value) -> str:
-    return f"{value.get('name')} ({value.get('source')})" if isinstance(value, dict) else str(value)
+def _method(tier: Tier) -> str:
+    """e.g. "trace (cuda, compiled)": how the estimate was made, and for which step."""
+    if not tier.estimate:
+        return MISSING
+    step = ", compiled" if tier.estimate.get("compiled") else ""
+    return f"{tier.estimate.get('method')} ({tier.estimate.get('device')}{step})"
+
+
+def _device_model(tier: Tier) -> str:
+    """The calibration and the caching-allocator mode a CUDA estimate modelled (one column: the
+    estimates table must fit a laptop window)."""
+    estimate = tier.estimate or {}
+    calibration, allocator = estimate.get("calibration"), estimate.get("allocator")
+    parts = []
+    if isinstance(calibration, dict):
+        parts.append(f"{calibration.get('name')} ({calibration.get('source')})")
+    elif calibration is not None:
+        parts.append(str(calibration))
+    if isinstance(allocator, dict) and "expandable_segments" in allocator:
+        parts.append("expandable segments" if allocator["expandable_segments"] else "native allocator")
+    return "; ".join(parts) or MISSING
 
 
 HYPHENATED = {"activations": "acti\u00advations", "optimizer": "opti\u00admizer", "gradients": "gradi\u00adents"}
 ESTIMATE_COLUMNS = [
-    Column("Estimate", "Method (device)",
-           lambda t: f"{t.estimate.get('method')} ({t.estimate.get('device')})" if t.estimate else MISSING, numeric=False),
+    Column("Estimate", "Method (device)", _method, numeric=False),
     Column("Estimate", "Atten\u00adtion modelled", _estimate_field("attention_backend"), numeric=False),
-    Column("Estimate", "Cali\u00adbration", _estimate_field("calibration", _calibration), numeric=False, optional=True),
-    Column("Estimate", "Allocator", _estimate_field("allocator", _settings), numeric=False, optional=True),
-    Column("Estimate", "Compiled", _estimate_field("compiled", _yes_no), numeric=False, optional=True),
+    Column("Estimate", "Device model", _device_model, numeric=False, optional=True),
     *[Column("Breakdown", HYPHENATED.get(key, key),
              lambda t, key=key: format_bytes(((t.estimate or {}).get("breakdown") or {}).get(key)))
       for key in BREAKDOWN_KEYS],
