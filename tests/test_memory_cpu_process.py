@@ -27,27 +27,44 @@ ON_GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"
 
 
 # ------------------------------------------------------------------------------ booking / budget
+PRESET = {"model": {"checkpointing": False}, "train": {"host_malloc": "auto"}}
+
+
 def test_booking_parts_add_up_and_grow_with_the_live_bytes():
-    small = cpu_process.booking({"peak_bytes": 10 * MIB}, {})
-    large = cpu_process.booking({"peak_bytes": 4 * GIB}, {})
+    small = cpu_process.booking({"peak_bytes": 10 * MIB}, PRESET)
+    large = cpu_process.booking({"peak_bytes": 4 * GIB}, PRESET)
     for b in (small, large):
-        assert b["rss_bytes"] == int(b["process_bytes"] + b["live_factor"] * b["live_bytes"])
-        assert f"{b['process_bytes'] // MIB} MiB" in b["model"] and str(b["live_factor"]) in b["model"]
+        for mode in ("glibc_default", "tuned"):
+            m = b[mode]
+            assert m["rss_bytes"] == int(b["process_bytes"] + m["live_factor"] * b["live_bytes"])
+            assert m["run_rss_bytes"] == m["rss_bytes"] - b["exit_pages_bytes"]
+            assert f"{b['process_bytes'] // MIB} MiB" in m["model"] and str(m["live_factor"]) in m["model"]
+            assert m["live_factor"] >= 1.0       # the live tensors are never booked at less than their size
+        assert b["malloc"] == "glibc_default" and b["rss_bytes"] == b["glibc_default"]["rss_bytes"]  # no budget
     assert small["live_bytes"] == 10 * MIB and large["live_bytes"] == 4 * GIB
     assert large["rss_bytes"] - small["rss_bytes"] == pytest.approx(
         large["live_factor"] * (4 * GIB - 10 * MIB), abs=2)
-    # the live tensors are never booked at less than their size
-    assert large["live_factor"] >= 1.0
 
 
-def test_glibc_default_bound_decides_whether_the_malloc_settings_are_needed():
-    booked = cpu_process.booking({"peak_bytes": 1 * GIB}, {})
-    assert booked["rss_bytes_glibc_default"] > booked["rss_bytes"]
-    roomy = int(booked["rss_bytes_glibc_default"] / 0.92) + 1
-    assert not cpu_process.malloc_settings_needed(booked, roomy, 0.08)       # even the bound fits
-    tight = int(booked["rss_bytes"] / 0.92) + 1                              # only the tuned booking fits
-    assert cpu_process.malloc_settings_needed(booked, tight, 0.08)
-    assert cpu_process.malloc_settings_needed(booked, None, 0.08)           # no budget: be predictable
+def test_checkpointing_books_glibcs_fragmentation_higher():
+    plain = cpu_process.booking({"peak_bytes": GIB}, PRESET)
+    checkpointed = cpu_process.booking({"peak_bytes": GIB}, {**PRESET, "model": {"checkpointing": True}})
+    assert checkpointed["glibc_default"]["rss_bytes"] > plain["glibc_default"]["rss_bytes"]
+    assert checkpointed["tuned"] == plain["tuned"]
+
+
+def test_the_budget_chooses_glibcs_malloc_when_it_fits_else_the_tuned_one():
+    booked = cpu_process.booking({"peak_bytes": 1 * GIB}, PRESET)
+    default, tuned = booked["glibc_default"]["rss_bytes"], booked["tuned"]["rss_bytes"]
+    assert default > tuned
+    roomy = int(default / 0.92) + 1
+    assert cpu_process.choose_malloc(booked, roomy, 0.08)["malloc"] == "glibc_default"
+    tight = cpu_process.choose_malloc(booked, int(tuned / 0.92) + 1, 0.08)  # only the tuned booking fits
+    assert tight["malloc"] == "tuned" and tight["rss_bytes"] == tuned and "64 KiB" in tight["model"]
+    forced = cpu_process.booking({"peak_bytes": 1 * GIB}, {**PRESET, "train": {"host_malloc": "tuned"}})
+    assert cpu_process.choose_malloc(forced, roomy, 0.08)["malloc"] == "tuned"      # train.host_malloc wins
+    old = {"rss_bytes": 5, "live_bytes": 1}                                        # a booking from before modes
+    assert cpu_process.choose_malloc(old, 1, 0.08) == old
 
 
 def test_process_allowance_is_measured_here_and_moves_with_what_the_imports_hold(monkeypatch):
@@ -59,7 +76,7 @@ def test_process_allowance_is_measured_here_and_moves_with_what_the_imports_hold
     assert measured["process_bytes"] == measured["imports_peak_bytes"] + cpu_process.RUN_BYTES
     if ON_GLIBC:   # Linux: the probe read its own peak before exit; C++ destructors touch pages after
         assert 0 < measured["exit_pages_bytes"] < measured["imports_peak_bytes"]
-    booked = cpu_process.booking({"peak_bytes": 64 * MIB}, {})
+    booked = cpu_process.booking({"peak_bytes": 64 * MIB}, PRESET)
     assert booked["run_rss_bytes"] == booked["rss_bytes"] - measured["exit_pages_bytes"]
     probes = {}
     for mib in (256, 512):    # both above the exit-time peak, which comes after `held` is freed
@@ -171,12 +188,14 @@ TRAINED = {
     "checkpointed": {"model.n_layers": 3, "model.checkpointing": True},
     "accumulated": {"audio.segment_samples": 6000, "model.emb_dim": 16, "model.attention_dim": 16,
                     "train.grad_accum": 2},
+    "checkpointed_tuned": {"model.n_layers": 3, "model.checkpointing": True, "train.host_malloc": "tuned"},
 }
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Booking and measured peak RSS of each TRAINED preset, trained in parallel processes."""
+    """Booking (no budget: what auto picks with plenty of RAM) and measured peak RSS of each TRAINED
+    preset, trained in parallel processes."""
     root = tmp_path_factory.mktemp("cpu_rss")
     with one_torch_thread():
         ws = make_workspace(root)
@@ -205,7 +224,7 @@ def trained(tmp_path_factory):
     return {"root": root, "presets": presets, "bookings": bookings, "results": results}
 
 
-@pytest.mark.slow   # three real train processes in parallel: ~30 s on two idle cores, ~60 s on busy ones
+@pytest.mark.slow   # four real train processes in parallel: ~40 s on two idle cores, ~80 s on busy ones
 @pytest.mark.parametrize("name", list(TRAINED))
 def test_booking_covers_the_real_train_process_within_25_percent(trained, name):
     result, booking = trained["results"][name], trained["bookings"][name]
@@ -213,7 +232,9 @@ def test_booking_covers_the_real_train_process_within_25_percent(trained, name):
     assert result["returncode"] == 0, log[-3000:]
     run = json.loads((trained["root"] / name / "run.json").read_text())
     assert run["steps"] == RUN["train.steps"]
-    assert run["malloc"]["applied"] is True     # the trainer applied what the booking assumes
+    # the trainer ran the malloc mode the booking assumes (auto: glibc's own, RAM is plentiful here)
+    assert booking["malloc"] == ("tuned" if "tuned" in name else "glibc_default")
+    assert run["malloc"]["applied"] is (booking["malloc"] == "tuned"), run["malloc"]
     ratio = booking["rss_bytes"] / result["peak_rss_bytes"]
     assert 1.0 <= ratio <= 1.25, (
         f"{name}: booked {booking['rss_bytes'] / MIB:.0f} MiB ({booking['model']}, live "

@@ -4,15 +4,17 @@ On a CPU the estimate's peak_bytes is the peak of live tensor bytes; the fit gat
 `tiersep train` process's peak RSS, predicted here (`booking`): a process allowance measured on
 this machine (`process_allowance`: what the train imports hold, library pages touched at exit
 included, plus the run's fixed part: the gate's in-process trace, model, loader) plus the live bytes
-times a factor that covers validation, export and what malloc holds beyond the live tensors.
+times a factor that covers validation, export and what malloc holds beyond the live tensors. The
+factor depends on the malloc mode: glibc as it comes (fast, looser) or tuned (`configure_malloc`,
+tight, slow); `choose_malloc` picks glibc's own whenever its booking fits the budget.
 Measurements: bench/cpu_rss.py -> bench/results/cpu_rss.md.
 
 Also here:
-- `configure_malloc()`: the glibc settings the booking assumes: a fixed 64 KiB mmap threshold, so
-  freed tensor buffers go back to the kernel instead of leaving holes in a heap that only shrinks
-  from the top. Without it a checkpointed step's RSS grew 1.8-2x its live bytes instead of ~1.1x.
-  It costs page faults: 1.1-1.7x the CPU time of a run on the bench machine. The trainer calls it
-  at start-up (or only when `malloc_settings_needed`) and records what it returns in run.json.
+- `configure_malloc()`: the tuned mode: a fixed 64 KiB mmap threshold, so freed tensor buffers go
+  back to the kernel instead of leaving holes in a heap that only shrinks from the top. Without it
+  a checkpointed step's RSS grew 1.8-2x its live bytes instead of ~1.1x. It costs page faults on
+  every tensor: cpu_small trained at 0.33 instead of 1.31 steps/s. The trainer calls it only when
+  the estimate chose the tuned mode, before the model exists, and records the mode in run.json.
 - `measure_peak_rss()`: a command's peak RSS from outside, through a small launcher process. A
   child's ru_maxrss starts at its parent's high-water mark (Linux carries it across fork and
   exec), so a train process started directly from pytest, or from a bench that has traced, reads
@@ -110,8 +112,8 @@ def measure_peak_rss(cmd: list[str], env: dict | None = None, cwd=None, log=None
 # ---------------------------------------------------------------------------------------------
 # The booking
 # ---------------------------------------------------------------------------------------------
-# The train process's peak RSS = the process allowance + LIVE_FACTOR x the step's live tensor
-# bytes, with configure_malloc() applied (bench/results/cpu_rss.md).
+# The train process's peak RSS = the process allowance + a factor x the step's live tensor bytes:
+# LIVE_FACTOR with configure_malloc() applied, GLIBC_DEFAULT_FACTOR(_CHECKPOINTED) without.
 # The allowance is measured on the machine, not a constant: a fresh interpreter that imports what
 # `tiersep train` imports peaks (at exit) at 612-670 MiB on one machine alone, depending on how the
 # page cache holds torch's shared libraries (large folios map more pages per fault). A tiny
@@ -120,16 +122,22 @@ def measure_peak_rss(cmd: list[str], env: dict | None = None, cwd=None, log=None
 # RUN_BYTES: what a train process adds to that whatever the preset: the gate's in-process trace
 # (~140 MiB), the model, loader and validation segments of a small preset; tiny presets (live
 # 10-90 MiB) peaked 166-172 MiB above the import-only peak, booked at 220.
-# LIVE_FACTOR: the large presets peaked 1.03-1.07x their live bytes above the rest (validation,
-# export, accumulation and checkpointing included), booked at 1.10.
+# LIVE_FACTOR (tuned): the large presets peaked 1.03-1.07x their live bytes above the rest
+# (validation, export, accumulation and checkpointing included), booked at 1.10.
 # FALLBACK_PROCESS_BYTES: the allowance when the measurement cannot run (the bench machine's).
 RUN_BYTES = 220 * MIB
 LIVE_FACTOR = 1.10
 FALLBACK_PROCESS_BYTES = 1010 * MIB
-# Without configure_malloc() glibc's heap fragments by 1.0-1.9x the live bytes, depending on the
-# shape (checkpointing and bf16 worst): no factor is tight, this one bounds every measured preset.
-GLIBC_DEFAULT_FACTOR = 2.5
-MALLOC_ASSUMED = f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (cpu_process.configure_malloc)"
+# With glibc's malloc as it comes (the dynamic mmap threshold climbs to the size of the first large
+# free, then most tensors live in a heap that only shrinks from the top) the peak grew 0.3-1.3x the
+# live bytes above the allowance, and 1.5-1.6x with checkpointing (its recomputation frees and
+# reallocates in a different order): booked at 1.40 and 2.0 (bench/results/cpu_rss.md, 7 presets).
+# That mode is 2-4x faster than the tuned one (cpu_small: 1.31 vs 0.33 steps/s on 2 busy cores): it
+# is the default whenever its booking fits; the tuned settings are for a tight budget.
+GLIBC_DEFAULT_FACTOR = 1.40
+GLIBC_DEFAULT_FACTOR_CHECKPOINTED = 2.0
+MODES = {"glibc_default": "glibc's malloc as it comes",
+         "tuned": f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (cpu_process.configure_malloc)"}
 # What `tiersep train` imports before it builds anything (cli.cmd_train -> train.trainer).
 TRAIN_IMPORTS = "import tiersep.cli, tiersep.train.trainer"
 
@@ -148,8 +156,8 @@ def process_allowance() -> dict:
     FALLBACK_PROCESS_BYTES, saying why, when the measurement fails."""
     try:
         with tempfile.TemporaryFile("w+") as out:
-            measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS + _PRINT_HWM],
-                                        env={**os.environ, **malloc_env()}, log=out, timeout=120)
+            measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS + _PRINT_HWM], log=out,
+                                        timeout=120)
             out.seek(0)
             printed = out.read().split()
         if measured["returncode"] != 0:
@@ -165,24 +173,34 @@ def process_allowance() -> dict:
 
 
 def booking(record: dict, preset: dict) -> dict:
-    """The predicted peak RSS of a `tiersep train` process for this CPU estimate, with its parts.
-    rss_bytes: its whole life's peak, what the gate books; run_rss_bytes: its peak before exit,
-    what run.json's peak_rss_bytes measures (the report compares those). Both assume
-    configure_malloc(); rss_bytes_glibc_default bounds a run without it. `preset` is not needed by this model (validation, export, precision and checkpointing fall inside the
-    measured factor); it stays in the signature for models that need it."""
+    """The predicted peak RSS of a `tiersep train` process for this CPU estimate, in each malloc
+    mode (`glibc_default`, `tuned`: rss_bytes, its whole life's peak, what the gate books;
+    run_rss_bytes, its peak before exit, what run.json's peak_rss_bytes measures), with the mode a
+    run without a budget uses (glibc_default) copied to the top level; `choose_malloc` picks
+    again for a budget."""
     live = int(record["peak_bytes"])
     allowance = process_allowance()
-    process = allowance["process_bytes"]
-    rss = int(process + LIVE_FACTOR * live)
-    return {"rss_bytes": rss, "run_rss_bytes": rss - allowance["exit_pages_bytes"], "live_bytes": live,
-            "process_bytes": process, "process_source": allowance["source"], "live_factor": LIVE_FACTOR,
-            "malloc": MALLOC_ASSUMED, "rss_bytes_glibc_default": int(process + GLIBC_DEFAULT_FACTOR * live),
-            "model": f"{process // MIB} MiB process + {LIVE_FACTOR} x live tensor bytes"}
+    process, exit_pages = allowance["process_bytes"], allowance["exit_pages_bytes"]
+    default = GLIBC_DEFAULT_FACTOR_CHECKPOINTED if preset["model"]["checkpointing"] else GLIBC_DEFAULT_FACTOR
+    booked = {"live_bytes": live, "process_bytes": process, "process_source": allowance["source"],
+              "exit_pages_bytes": exit_pages, "malloc_setting": preset["train"]["host_malloc"]}
+    for mode, factor in (("glibc_default", default), ("tuned", LIVE_FACTOR)):
+        rss = int(process + factor * live)
+        booked[mode] = {"rss_bytes": rss, "run_rss_bytes": rss - exit_pages, "live_factor": factor,
+                        "model": f"{process // MIB} MiB process + {factor} x live tensor bytes, {MODES[mode]}"}
+    return choose_malloc(booked, None, 0.0)
 
 
-def malloc_settings_needed(booked: dict, budget_bytes: int | None, safety_margin: float) -> bool:
-    """Whether a run needs configure_malloc() to stay within its budget: False only when even the
-    bound without it (rss_bytes_glibc_default) fits, so glibc's faster buffer reuse can be kept."""
-    if budget_bytes is None:
-        return True
-    return booked["rss_bytes_glibc_default"] + safety_margin * budget_bytes > budget_bytes
+def choose_malloc(booked: dict, budget_bytes: int | None, safety_margin: float) -> dict:
+    """The booking with the malloc mode the run will use: train.host_malloc when it names one; for
+    auto glibc's own (fast) when its booking fits the budget with the margin, or there is no budget,
+    else the tuned settings (tight). The chosen mode's figures are copied to the top level,
+    `malloc` names it. A booking from before the modes is returned as it is."""
+    if "glibc_default" not in booked:
+        return booked
+    default = booked["glibc_default"]["rss_bytes"]
+    mode = booked.get("malloc_setting", "auto")
+    if mode == "auto":
+        fits = budget_bytes is None or default + safety_margin * budget_bytes <= budget_bytes
+        mode = "glibc_default" if fits else "tuned"
+    return {**booked, **booked[mode], "malloc": mode}

@@ -79,6 +79,8 @@ def required_bytes(record: dict) -> int:
 def finish(record: dict, budget_bytes: int | None, safety_margin: float, seconds: float) -> dict:
     """Add the budget verdict and the time taken to an estimate record (the one place `fits` is set)."""
     margin = int(safety_margin * budget_bytes) if budget_bytes is not None else None
+    if record["device"] == "cpu" and record.get("cpu_process"):   # the malloc mode this budget allows
+        record["cpu_process"] = cpu_process.choose_malloc(record["cpu_process"], budget_bytes, safety_margin)
     record["gate_required_bytes"] = required_bytes(record)
     record["budget_bytes"] = int(budget_bytes) if budget_bytes is not None else None
     record["safety_margin"] = safety_margin

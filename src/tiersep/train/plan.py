@@ -128,13 +128,12 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
               "(same effective batch)", file=sys.stderr)
 
     allocator = configure_cuda_allocator(preset)   # before CUDA starts in this process
-    malloc = configure_malloc()                    # before the model exists: what the CPU gate books
     device = choose_device(preset)
     probe = MemoryProbe(device)
     plan = RunPlan(preset, device, probe, attempt, allocator, probe.start_free_bytes(), probe.process_bytes(),
                    resume=state, not_resumed=not_resumed, resume_warning="; ".join(resume_warnings) or None,
                    downshifted_from=downshifted_from,
-                   memory_fraction=apply_memory_fraction(device), malloc=malloc)
+                   memory_fraction=apply_memory_fraction(device))
     if previous_failure and previous_failure.get("kind") == "oom":
         plan.recovered_from = previous_failure   # only an OOM is "recovered from" by this run
     elif state:
@@ -153,7 +152,20 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
         plan.refusal, plan.estimate = str(refused), refused.estimate
         if cfg["on_oversize"] == "adapt" and plan.budget is not None:
             _adapt(plan, cfg, refused, out_dir, resume)
+    plan.malloc = host_malloc(device, plan.estimate)
     return plan
+
+
+def host_malloc(device: torch.device, estimate: dict | None) -> dict:
+    """Apply the malloc mode the CPU gate booked (before the model exists) and say which, for
+    run.json: the tuned settings only when glibc's own did not fit the budget (cpu_process)."""
+    booked = (estimate or {}).get("cpu_process") if device.type == "cpu" else None
+    mode = booked.get("malloc", "tuned") if booked else None   # bookings from before the modes assumed tuned
+    if mode == "tuned":
+        return configure_malloc()
+    why = ("glibc's own malloc: its booking fits the budget" if mode == "glibc_default"
+           else "CUDA run: the gate books device memory" if device.type == "cuda" else "no CPU booking")
+    return {"allocator": "glibc", "applied": False, "reason": why}
 
 
 def _adapt(plan: RunPlan, cfg: dict, refused, out_dir: Path, resume: bool) -> None:
