@@ -3,9 +3,10 @@
 For each preset below: the `trace` estimate on cpu (live tensor bytes), the booking of
 tiersep.memory.cpu_process (what the gate compares with the budget), and the peak RSS of a real
 `tiersep train` process (a few steps, validation every step, the export at the end), measured
-from outside with os.wait4 through cpu_process.measure_peak_rss. Each preset is trained as the
-trainer runs (`tuned`: it applies cpu_process.configure_malloc(), the malloc settings the booking
-assumes) and, for contrast, with that call turned into a no-op (`default`: glibc as it comes).
+from outside with os.wait4 through cpu_process.measure_peak_rss. Each preset is trained in both host-malloc
+modes the booking knows: `tuned` (train.host_malloc: tuned, the trainer applies
+cpu_process.configure_malloc()) and `default` (train.host_malloc: glibc_default, glibc as it comes,
+what auto picks whenever its booking fits the budget).
 
     python bench/cpu_rss.py                        # all presets -> bench/results/cpu_rss.md
     python bench/cpu_rss.py --only cpu_tiny --phases cpu_tiny --no-write   # where the memory goes
@@ -58,13 +59,7 @@ PRESETS = {
                                      "train.validate_segments": 2},
                            "8 kHz, 1.5 s, n_fft 512, 5 layers x 48, accumulation 2"),
 }
-VARIANTS = ("tuned", "default")   # the trainer as it is (configure_malloc applied) / glibc as it comes
-
-# `tiersep train` with the trainer's configure_malloc() call turned into a no-op: glibc's defaults.
-GLIBC_DEFAULT_TRAIN = (
-    "import sys; import tiersep.train.plan as plan; "
-    "plan.configure_malloc = lambda: {'allocator': 'glibc', 'applied': False, 'reason': 'bench: glibc defaults'}; "
-    "from tiersep.cli import main; sys.exit(main(sys.argv[1:]))")
+VARIANTS = {"tuned": "tuned", "default": "glibc_default"}   # bench variant -> train.host_malloc
 
 
 def make_preset(name: str, steps: int) -> dict:
@@ -97,11 +92,8 @@ def train_args(preset_file: Path, data: Path, out: Path) -> list[str]:
             "--data", str(data), "--out", str(out)]
 
 
-def train_command(preset_file: Path, data: Path, out: Path, tuned: bool) -> list[str]:
-    args = train_args(preset_file, data, out)
-    if tuned:
-        return [sys.executable, "-m", "tiersep.cli", *args]
-    return [sys.executable, "-c", GLIBC_DEFAULT_TRAIN, *args]
+def train_command(preset_file: Path, data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "tiersep.cli", *train_args(preset_file, data, out)]
 
 
 def child_env(threads: int) -> dict:
@@ -114,9 +106,12 @@ def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases
     from tiersep.memory.estimate import estimate
 
     preset = make_preset(name, steps)
-    preset_file = work / "presets" / f"{name}.yaml"
-    preset_file.parent.mkdir(parents=True, exist_ok=True)
-    preset_file.write_text(yaml.safe_dump(preset, sort_keys=False))
+    files = {}
+    for variant, mode in VARIANTS.items():   # one preset file per host-malloc mode
+        files[variant] = work / "presets" / f"{name}.{variant}.yaml"
+        files[variant].parent.mkdir(parents=True, exist_ok=True)
+        files[variant].write_text(yaml.safe_dump(dict(preset, train={**preset["train"], "host_malloc": mode}),
+                                                 sort_keys=False))
     data = prepared(work, preset["audio"]["sample_rate"])
     start = time.time()
     record = estimate(preset, "trace", "cpu")
@@ -130,7 +125,7 @@ def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
             started = time.time()
-            result = cpu_process.measure_peak_rss(train_command(preset_file, data, out, variant == "tuned"),
+            result = cpu_process.measure_peak_rss(train_command(files[variant], data, out),
                                                   env=child_env(threads), cwd=ROOT, log=log)
         if result["returncode"] != 0:
             raise RuntimeError(f"{name} ({variant}): tiersep train exited {result['returncode']}; see {log_path}")
@@ -142,8 +137,8 @@ def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases
                                 "start_process_bytes": run["start_process_bytes"],
                                 "steps_per_s": run["steps_per_s"]}
         if phases:
-            row["runs"][variant]["phases"] = phase_profile(preset_file, data, work / "phases" / variant / name,
-                                                           threads, variant == "tuned")
+            row["runs"][variant]["phases"] = phase_profile(files[variant], data, work / "phases" / variant / name,
+                                                           threads)
     return row
 
 
@@ -155,10 +150,10 @@ PHASE_HOOKS = [("plan_run", "gate+trace"), ("run_gate", "gate+trace"), ("Trainin
                ("Training._checkpoint", "checkpoint"), ("Training._finish", "export")]
 
 
-def phase_profile(preset_file: Path, data: Path, out: Path, threads: int, tuned: bool) -> list[dict]:
+def phase_profile(preset_file: Path, data: Path, out: Path, threads: int) -> list[dict]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-phases",
-           *([] if tuned else ["--glibc-default"]), "--", *train_args(preset_file, data, out)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-phases", "--",
+           *train_args(preset_file, data, out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -167,7 +162,7 @@ def phase_profile(preset_file: Path, data: Path, out: Path, threads: int, tuned:
     return json.loads(lines[-1])["phases"]
 
 
-def child_phases(argv: list[str], glibc_default: bool) -> int:
+def child_phases(argv: list[str]) -> int:
     """In the probe process: sample RSS every ms, mark phases, run the CLI, print the phases as JSON."""
     import threading
 
@@ -191,8 +186,6 @@ def child_phases(argv: list[str], glibc_default: bool) -> int:
     from tiersep import cli
     from tiersep.train import plan, trainer
     mark("imports")
-    if glibc_default:
-        plan.configure_malloc = lambda: {"allocator": "glibc", "applied": False, "reason": "bench"}
     for dotted, label in PHASE_HOOKS:
         owner_name, _, attr = dotted.rpartition(".")
         owner = getattr(trainer, owner_name, None) if owner_name else trainer
@@ -248,19 +241,19 @@ def table(rows: list[dict], variants) -> list[str]:
     over the RSS at the start of the run per live byte; CPU seconds (user + system) of the run."""
     head = ["preset", "what", "live (MiB)"]
     for v in variants:
-        booked = "booking" if v == "tuned" else "glibc-default bound"
-        head += [f"{booked} (MiB)", f"real {v} (MiB)", f"{booked} / real", f"growth / live {v}"]
-    head += ["CPU s " + " / ".join(variants)]
+        head += [f"booking {v} (MiB)", f"real {v} (MiB)", f"booking / real {v}", f"growth / live {v}"]
+    head += ["CPU s " + " / ".join(variants), "steps/s " + " / ".join(variants)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for row in rows:
         cells = [row["preset"], row["what"], f"{row['live_bytes'] / MIB:.0f}"]
         for v in variants:
             run = row["runs"][v]
-            booked = row["booking"]["rss_bytes" if v == "tuned" else "rss_bytes_glibc_default"]
+            booked = row["booking"][VARIANTS[v]]["rss_bytes"]
             growth = (run["peak_rss_bytes"] - run["start_process_bytes"]) / row["live_bytes"]
             cells += [f"{booked / MIB:.0f}", f"{run['peak_rss_bytes'] / MIB:.0f}",
                       f"{booked / run['peak_rss_bytes']:.3f}", f"{growth:.2f}"]
         cells.append(" / ".join(f"{row['runs'][v]['user_s'] + row['runs'][v]['system_s']:.0f}" for v in variants))
+        cells.append(" / ".join(f"{row['runs'][v]['steps_per_s']:.2f}" for v in variants))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -279,8 +272,9 @@ def phases_section(rows: list[dict], variants) -> list[str]:
     return lines
 
 
-def ratio_range(rows, variant: str, key: str) -> str:
-    ratios = [row["booking"][key] / row["runs"][variant]["peak_rss_bytes"] for row in rows if variant in row["runs"]]
+def ratio_range(rows, variant: str) -> str:
+    ratios = [row["booking"][VARIANTS[variant]]["rss_bytes"] / row["runs"][variant]["peak_rss_bytes"]
+              for row in rows if variant in row["runs"]]
     return f"{min(ratios):.3f} to {max(ratios):.3f}" if ratios else "not run"
 
 
@@ -296,18 +290,19 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         f"{info['libc']}. Each preset: {args.steps} steps, validation after each, one checkpoint and the "
         f"export at the end, dropout 0, 0 loader workers, OMP_NUM_THREADS={args.threads}, no estimate file "
         "(the gate traces in the train process). Presets: PRESETS in the script.", "",
-        f"- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` = {booking['model']}; "
-        f"glibc-default bound: {booking['process_bytes'] // MIB} MiB + {cpu_process.GLIBC_DEFAULT_FACTOR} x live.",
+        "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: "
+        f"tuned = {booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
+        f"({cpu_process.GLIBC_DEFAULT_FACTOR_CHECKPOINTED} x with checkpointing).",
         "- real: peak RSS of the whole `tiersep train` process, exit included (os.wait4 ru_maxrss through a "
         "fresh launcher: `cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run, "
-        "after the imports) / live.",
-        f"- tuned: `tiersep train` as it is: the trainer applies `cpu_process.configure_malloc()` (glibc "
+        "after the imports) / live. steps/s: run.json's, the whole run (validation after every step).",
+        "- tuned: `train.host_malloc: tuned`, the trainer applies `cpu_process.configure_malloc()` (glibc "
         f"mmap threshold {cpu_process.MMAP_THRESHOLD // KIB} KiB, trim threshold "
-        f"{cpu_process.TRIM_THRESHOLD // KIB} KiB; the same as `{env}`). default: the same with that call made a no-op (glibc as it comes).", "",
+        f"{cpu_process.TRIM_THRESHOLD // KIB} KiB; the same as `{env}`). default: `train.host_malloc: "
+        "glibc_default`, glibc as it comes (what `auto` picks whenever its booking fits the budget).", "",
         *table(rows, variants), "",
-        f"Booking / real, tuned: {ratio_range(rows, 'tuned', 'rss_bytes')} (target 1.0 to 1.25). "
-        f"glibc-default bound / real, default: {ratio_range(rows, 'default', 'rss_bytes_glibc_default')} "
-        "(a bound: at least 1.0).",
+        f"Booking / real, tuned: {ratio_range(rows, 'tuned')}; default: {ratio_range(rows, 'default')} "
+        "(target 1.0 to 1.25).",
         "",
         f"A process that only imports what `tiersep train` imports peaks at {base['imports_peak_bytes'] / MIB:.0f} "
         "MiB here, at interpreter exit (library pages touched by C++ destructors). The booking measures it on "
@@ -332,11 +327,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_rss.md")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--child-phases", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--glibc-default", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_phases:
-        return child_phases([a for a in args.rest if a != "--"], args.glibc_default)
+        return child_phases([a for a in args.rest if a != "--"])
 
     import torch
 
