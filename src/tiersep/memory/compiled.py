@@ -19,9 +19,14 @@ the others from the tracker:
 - a fusible result read by more than one op is realized when it reads more than 4 buffers, or
   holds more than 30 ops, or (CPU) computes exp or sigmoid; any fusible result reading more than 8
   buffers is realized.
-Left out: inductor's peak-memory reordering and in-place buffer reuse (both only lower the peak,
-so the figure stays an upper bound on those counts), and its joint-graph pattern passes.
-bench/compiled_estimate.py compares the result with real inductor-compiled CPU steps.
+Left out: the order inductor's scheduler gives the kernels (the trace keeps the graphs' order;
+with checkpointing the real step kept far more alive, so estimate() does not use this trace for
+checkpointed models), in-place buffer reuse and inductor's joint-graph pattern passes. Measured
+against real inductor-compiled CPU steps: bench/results/compiled_estimate_cpu.md.
+
+Dynamo specifics: it compiles nothing under a TorchDispatchMode, so compile_now compiles the graphs
+by one step before the tracker starts, and the tracker (CompiledStepTracker) lets Dynamo run its
+compiled code under it; one backend serves every trace (Dynamo guards on the backend's identity).
 """
 from __future__ import annotations
 
