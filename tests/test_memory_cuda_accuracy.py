@@ -84,7 +84,8 @@ def test_cuda_estimate_matches_the_h100(row, measured_model, monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)     # the mode is the preset's
     monkeypatch.setattr("tiersep.model.build_model", measured_model.build_model)
     monkeypatch.setattr("tiersep.model.build_loss", measured_model.build_loss)
-    record = estimate(_preset(row), "trace", "cuda", calibration_spec=GPU)
+    # the H100 ran these eagerly: the eager step, whatever train.compile says
+    record = estimate(_preset(row), "trace", "cuda", calibration_spec=GPU, compiled=False)
     assert record["allocator"] == {"expandable_segments": row["expandable_segments"]}
 
     checks = []

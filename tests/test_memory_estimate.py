@@ -112,7 +112,7 @@ def test_cpu_trace_matches_a_real_step(fields):
 @pytest.mark.parametrize("name,device", [("cpu_tiny", "cpu"), ("small", "cuda"), ("cpu_small", "cuda")])
 def test_analytic_within_ten_percent_of_trace(name, device):
     preset = C.load_preset(name)
-    traced = estimate(preset, "trace", device)
+    traced = estimate(preset, "trace", device, compiled=False)     # analytic models the eager step
     closed = estimate(preset, "analytic", device)
     assert closed["seconds"] < 1.0
     assert closed["peak_bytes"] == pytest.approx(traced["peak_bytes"], rel=0.10)

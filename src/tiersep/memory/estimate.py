@@ -11,6 +11,9 @@ What `peak_bytes` means (the number the fit gate compares with the budget):
 backward, plus the input batch), transient (backward and optimizer temporaries) are the tensors live
 at the moment of the allocated peak; overhead is everything else (CUDA context, cuBLAS workspace,
 memory the allocator holds cached beyond the live tensors).
+`compiled`: whether the figure is for the step of the torch.compile'd model (memory/compiled.py),
+as the trainer runs it when the preset compiles on `device`; `compiled_note` says why, or why the
+compiled trace fell back to the eager figure (an upper bound: compiling only lowers the peak).
 """
 from __future__ import annotations
 
@@ -23,26 +26,33 @@ from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY, CUDA_UNCERTAINTY
 from .cuda_model import modelled_backend
 from .trace import trace_step
 from tiersep.device import planned_allocator
+from tiersep.model.compile import one_line
 
 METHODS = ("trace", "analytic", "measure")
 
 
 def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_bytes: int | None = None,
-             safety_margin: float = 0.08, calibration_spec: str = "auto") -> dict:
+             safety_margin: float = 0.08, calibration_spec: str = "auto", compiled: bool | None = None) -> dict:
     """Predict the peak memory of one training step of `preset` on `device` (see module docstring).
-    `calibration_spec` (cuda): auto, a built-in GPU name or a calibration file (memory.calibration)."""
+    `calibration_spec` (cuda): auto, a built-in GPU name or a calibration file (memory.calibration).
+    `compiled`: model the compiled step (trace only); None: when the preset compiles on `device`."""
     if method not in METHODS:
         raise ValueError(f"estimate.method: {method!r} (allowed: {', '.join(METHODS)})")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"estimate.device: {device!r} (allowed: cuda, cpu)")
     start = time.time()
     cal = calibration.resolve(calibration_spec) if device == "cuda" else None
+    if compiled is None:
+        compiled = compiles(preset, device)
     if method == "trace":
-        record = _from_trace(preset, device, cal)
+        record = _from_trace(preset, device, cal, compiled)
     elif method == "analytic":
         record = analytic.estimate_analytic(preset, device, cal)
     else:
         record = _from_measure(preset, device, cal)
+    if method != "trace":
+        record.update(compiled=False, compiled_note=f"the {method} method models the eager step"
+                      + (" (the preset compiles: an upper bound)" if compiled else ""))
     t = preset["train"]
     record = {
         "preset": preset["name"],
@@ -59,6 +69,12 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
                       if device == "cuda" else None),
     }
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
+
+
+def compiles(preset: dict, device: str) -> bool:
+    """Whether the trainer compiles `preset`'s model on `device` (RunPlan.compile's rule)."""
+    wanted = preset["train"].get("compile", False)
+    return device == "cuda" if wanted == "auto" else bool(wanted)
 
 
 def with_booking(record: dict, preset: dict) -> dict:
@@ -98,12 +114,34 @@ def _device_peak(reserved_peak: int, live: int, cal: dict) -> tuple[int, dict]:
         "allocator_cache": reserved_peak - live - workspace}
 
 
-def _from_trace(preset: dict, device: str, cal: dict | None) -> dict:
+def _trace(preset: dict, device: str, cal: dict | None, compiled: bool):
     if device == "cuda":
-        r = trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"],
-                       expandable_segments=planned_allocator(preset)["expandable_segments"])
-    else:
-        r = trace_step(preset, device)
+        return trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"],
+                          expandable_segments=planned_allocator(preset)["expandable_segments"], compiled=compiled)
+    return trace_step(preset, device, compiled=compiled)
+
+
+def _traced(preset: dict, device: str, cal: dict | None, compiled: bool):
+    """(trace result, compiled_note): the compiled step's trace when asked for, else or when that
+    fails the eager one."""
+    setting = f"train.compile {preset['train'].get('compile')} on {device}"
+    if not compiled:
+        return _trace(preset, device, cal, False), f"{setting}: the eager step"
+    if preset["model"]["checkpointing"]:
+        return _trace(preset, device, cal, False), (
+            f"{setting}, checkpointed: the eager step, as the compiled trace is not trusted with "
+            f"checkpointing (it predicted 0.62x a real compiled CPU step, and that step took 2.0x the "
+            f"eager peak: bench/results/compiled_estimate_cpu.md)")
+    try:
+        unchecked = "; not yet checked against a GPU's compiled step" if device == "cuda" else ""
+        return _trace(preset, device, cal, True), f"{setting}: the compiled step (memory/compiled.py){unchecked}"
+    except Exception as err:  # noqa: BLE001 - any failure of the compiled trace: eager is an upper bound
+        return _trace(preset, device, cal, False), (
+            f"{setting}, but the compiled trace failed ({one_line(err)}): the eager step, an upper bound")
+
+
+def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = False) -> dict:
+    r, compiled_note = _traced(preset, device, cal, compiled)
     breakdown = dict(r.breakdown)
     live = sum(breakdown.values())
     if device == "cuda":
@@ -134,6 +172,8 @@ def _from_trace(preset: dict, device: str, cal: dict | None) -> dict:
         "micro_batches_traced": r.micro_batches_traced,
         "events": r.events,
         "notes": r.notes,
+        "compiled": r.compiled,
+        "compiled_note": compiled_note,
         "torch": torch.__version__,
     }
 

@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import allocator
+from .compiled import CompiledStepTracker, compile_now
 from .cuda_model import CudaEmulation, CudaKernelMemory
 from .tracker import FORWARD, UPDATE, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
@@ -61,6 +62,7 @@ class TraceResult:
     steps: int = 1                  # training steps replayed (cuda)
     expandable_segments: bool = False
     notes: list = field(default_factory=list)
+    compiled: bool = False          # the step of the torch.compile'd model
 
 
 @dataclass
@@ -110,6 +112,17 @@ def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | No
             h.remove()
 
 
+@contextlib.contextmanager
+def _emulated(model, tracker: StorageTracker, emulation: CudaEmulation | None, dtype,
+              starts: list | None = None, ends: list | None = None):
+    """The CUDA emulation (if any) and the forward hooks, as a training step of `model` runs under."""
+    with contextlib.ExitStack() as stack:
+        if emulation is not None:
+            stack.enter_context(emulation)
+        stack.enter_context(_forward_hooks(model, tracker, emulation, dtype, starts, ends))
+        yield stack
+
+
 def _move_order(model: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters and buffers in the order model.to(device) copies them (Module._apply: children
     first, then the module's own parameters and buffers)."""
@@ -120,15 +133,16 @@ def _move_order(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
-                workspace_bytes: int = CUBLAS_WORKSPACE_BYTES) -> RecordedStep:
-    """Record the setup and one training step of `preset` as they would run on `device`."""
+                workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, compiled: bool = False) -> RecordedStep:
+    """Record the setup and one training step of `preset` as they would run on `device` (`compiled`:
+    of the torch.compile'd model, memory/compiled.py)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
-    t = preset["train"]
-    bf16 = torch.bfloat16 if t["precision"] == "bf16" else None
+    bf16 = torch.bfloat16 if preset["train"]["precision"] == "bf16" else None
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
     kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
-    tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
+    tracker = (CompiledStepTracker if compiled else StorageTracker)(
+        cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
     tracker.recording = False
 
     with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
@@ -155,15 +169,14 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         inputs = {tracker.key_of(x) for pair in work.inputs for x in pair}
         step_start = len(tracker.timeline.events)
         traced = min(len(work.inputs), TRACED_MICRO_BATCHES)
-        starts: list[int] = []
-        ends: list[int] = []
+        starts, ends = [], []       # each forward's first and last event
+        step_model, holder = compile_now(model, work, preset, device, lambda m: _emulated(
+            m, tracker, emulation, bf16), emulation) if compiled else (model, None)
 
-        with contextlib.ExitStack() as stack:
-            if emulation is not None:
-                stack.enter_context(emulation)
+        with _emulated(step_model, tracker, emulation, bf16, starts, ends) as stack:
             stack.enter_context(tracker)
-            stack.enter_context(_forward_hooks(model, tracker, emulation, bf16, starts, ends))
-            train_step(model, work.loss_fn, optimizer, work.inputs[:traced], preset, device)
+            stack.enter_context(holder.tracking(tracker) if holder else contextlib.nullcontext())
+            train_step(step_model, work.loss_fn, optimizer, work.inputs[:traced], preset, device)
         tracker.stop()
         gradients = {tracker.key_of(p.grad) for p in params if p.grad is not None}
 
@@ -304,12 +317,13 @@ def repeat_steps(rec: RecordedStep, steps: int) -> tuple[Timeline, list[int]]:
 
 def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
                workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, expandable_segments: bool = False,
-               steps: int = STEPS) -> TraceResult:
+               steps: int = STEPS, compiled: bool = False) -> TraceResult:
     """Trace training steps of `preset` as they would run on `device` (cuda|cpu).
     `workspace_bytes`: the cuBLAS workspace of the device calibration; `expandable_segments`: the
     caching allocator's mode (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); `steps`: training
-    steps replayed through the allocator model (cuda; the CPU trace counts one)."""
-    rec = record_step(preset, device, model_and_loss, workspace_bytes)
+    steps replayed through the allocator model (cuda; the CPU trace counts one); `compiled`: the
+    torch.compile'd model's steps (memory/compiled.py; raises when they cannot be traced)."""
+    rec = record_step(preset, device, model_and_loss, workspace_bytes, compiled)
     steps = steps if device == "cuda" else 1
     timeline, starts = repeat_steps(rec, steps)
     exclude = rec.host
@@ -360,8 +374,7 @@ def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
         events=len(rec.timeline.events),
         steps=steps,
         expandable_segments=expandable_segments if device == "cuda" else False,
-        notes=notes,
-    )
+        notes=notes, compiled=compiled)
 
 
 def _peak_from(timeline: Timeline, start: int, exclude: set) -> tuple[int, int]:
