@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from test_train_support import tiny_preset
 from tiersep.records import validate_record
 from tiersep.memory import compiled as compiled_trace
-from tiersep.memory.estimate import compiles, estimate
+from tiersep.memory.estimate import estimate
+from tiersep.model.compile import compiles
 from tiersep.model import build_model
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "compiled_estimate.py"
@@ -120,6 +121,21 @@ def test_compiles_follows_train_compile():
     assert not compiles(tiny_preset(**{"train.compile": "auto"}), "cpu")
     assert compiles(tiny_preset(**{"train.compile": True}), "cpu")
     assert not compiles(tiny_preset(**{"train.compile": False}), "cuda")
+    # auto leaves a checkpointed model eager: no estimate covers its compiled step (2.0x eager on CPU)
+    assert not compiles(tiny_preset(**{"train.compile": "auto", "model.checkpointing": True}), "cuda")
+    assert compiles(tiny_preset(**{"train.compile": True, "model.checkpointing": True}), "cuda")
+
+
+def test_on_cuda_the_larger_of_the_compiled_and_eager_figures_is_booked():
+    """The compiled trace is checked against real compiled steps on CPU only: on CUDA the record
+    models the compiled run with whichever trace is larger, and says both."""
+    preset = tiny_preset(**{"train.compile": True})
+    eager = estimate(preset, "trace", "cuda", compiled=False)
+    record = estimate(preset, "trace", "cuda")
+    assert record["compiled"] is True
+    assert record["peak_bytes"] >= eager["peak_bytes"]
+    assert f"the eager one to {eager['reserved_peak_bytes'] / 2**30:.2f} GiB" in record["compiled_note"]
+    assert "until the compiled trace is checked against a GPU" in record["compiled_note"]
 
 
 def test_a_failed_compiled_trace_falls_back_to_the_eager_figure(cpu_records, monkeypatch):

@@ -27,6 +27,17 @@ from torch import nn
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def compiles(preset: dict, device_type: str) -> bool:
+    """Whether the trainer compiles `preset`'s model on `device_type` (train.compile). auto: on CUDA,
+    except with checkpointing, where a compiled CPU step took 2.0x the eager peak and no estimate
+    covers it yet (bench/results/compiled_estimate_cpu.md); never on CPU, where it does not pay
+    (bench/results/model_step_cpu.md). true/false force it."""
+    wanted = preset["train"].get("compile", False)
+    if wanted == "auto":
+        return device_type == "cuda" and not preset["model"]["checkpointing"]
+    return bool(wanted)
+
+
 def point_caches_at(cache_dir: Path) -> dict[str, str]:
     """Inductor's and Triton's on-disk caches under cache_dir, so later runs reuse compiled code.
 

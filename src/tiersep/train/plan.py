@@ -18,6 +18,7 @@ from tiersep import config as C
 from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_allocator
 from tiersep.io import read_json
 from tiersep.memory.cpu_process import configure_malloc
+from tiersep.model.compile import compiles
 from tiersep.train.oom import plan_micro_batch
 from tiersep.train.resume import resume_state
 from tiersep.train.telemetry import MemoryProbe
@@ -53,9 +54,8 @@ class RunPlan:
 
     @property
     def compile(self) -> bool:
-        """train.compile: auto compiles on CUDA only (on CPU it does not pay: docs/training.md)."""
-        wanted = self.preset["train"]["compile"]
-        return self.device.type == "cuda" if wanted == "auto" else bool(wanted)
+        """train.compile as it applies to this run (tiersep.model.compile.compiles)."""
+        return compiles(self.preset, self.device.type)
 
 
 def step_units(preset: dict) -> float:
