@@ -329,3 +329,34 @@ def test_compiled_training_matches_eager_and_records_the_compile(ws, tmp_path, m
     assert a.keys() == b.keys()   # the checkpoint holds the eager model's names, no wrapper prefix
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4)
+
+
+def test_a_failed_compile_rechecks_the_gate_for_the_eager_step(ws, tmp_path, monkeypatch):
+    """The gate booked the compiled step (train.compile true): when compiling fails, the run goes on
+    eagerly only after the eager step's estimate is checked against the budget; a refusal then is
+    recorded like the gate's own (exit 3, failure.json kind refused, the compile's cause named)."""
+    from tiersep import memory
+
+    monkeypatch.setenv(trainer.COMPILE_BACKEND_ENV, "no_such_backend")   # torch.compile refuses it
+    steps = {"train.steps": 1, "train.validate_every": 1, "train.checkpoint_every": 1, "model.dropout": 0.0,
+             "train.compile": True}
+    out = tmp_path / "train" / "fits"
+    assert trainer.train(ws["cfg"], tiny_preset(**steps), ws["data"], out) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["compile"]["compiled"] is False and "no_such_backend" in run["compile"]["reason"]
+    assert "the eager step's estimate" in run["compile"]["regated"]
+    assert run["estimate"]["compiled"] is False          # what the gate checked last: the eager step
+
+    real_gate = memory.gate
+
+    def refuse_eager(preset, device_type, budget, margin, **kwargs):   # the compiled step fits, eager not
+        if kwargs.get("compiled") is not False:
+            return real_gate(preset, device_type, budget, margin, **kwargs)
+        raise memory.DoesNotFit("preset tiny: estimated peak 9 GiB exceeds the budget", {"peak_bytes": 9 * 2**30})
+
+    monkeypatch.setattr(memory, "gate", refuse_eager)
+    refused = tmp_path / "train" / "refused"
+    assert trainer.train(ws["cfg"], tiny_preset(**steps), ws["data"], refused) == 3
+    failure = json.loads((refused / "failure.json").read_text())
+    assert failure["kind"] == "refused" and "torch.compile failed" in failure["message"]
+    assert "exceeds the budget" in failure["message"] and not (refused / "model.pt").exists()

@@ -24,11 +24,13 @@ class DoesNotFit(Exception):
 
 
 def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin: float,
-         estimate: dict | None = None, calibration_spec: str = "auto") -> dict:
-    """Return the estimate used; raise DoesNotFit when it does not fit the budget."""
+         estimate: dict | None = None, calibration_spec: str = "auto", compiled: bool | None = None) -> dict:
+    """Return the estimate used; raise DoesNotFit when it does not fit the budget. `compiled`:
+    estimate the compiled (True) or eager (False) step; None: as the preset will run."""
     device_type = "cuda" if device_type == "cuda" else "cpu"
     if estimate is None:
-        estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec)
+        estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec,
+                                 compiled=compiled)
     else:
         estimate = finish(dict(estimate), budget_bytes, safety_margin, estimate.get("seconds", 0.0))
     if budget_bytes is None or estimate["fits"]:

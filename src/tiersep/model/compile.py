@@ -85,12 +85,13 @@ class CompiledWithFallback(nn.Module):
     """
 
     def __init__(self, eager: nn.Module, compiled: Callable, info: dict,
-                 warn: Callable[[str], None] = warn_stderr):
+                 warn: Callable[[str], None] = warn_stderr, before_eager: Callable[[str], None] | None = None):
         super().__init__()
         self.eager = eager
         self.compiled = compiled
         self.info = info
         self.warn = warn
+        self.before_eager = before_eager   # called with the reason once a failure switches to eager
         self.backward_checked = False
 
     def forward(self, *args, **kwargs):
@@ -120,6 +121,8 @@ class CompiledWithFallback(nn.Module):
         self.info.update(compiled=False, reason=reason)
         self.warn(f"torch.compile ({self.info['backend']}, mode {self.info['mode']}) failed, "
                   f"running eager instead: {reason}")
+        if self.before_eager is not None:   # e.g. the trainer's gate, re-checked for the eager step
+            self.before_eager(reason)
         return out
 
     # The checkpoint format is the eager model's: no wrapper prefix in the keys.
@@ -132,12 +135,14 @@ class CompiledWithFallback(nn.Module):
 
 def compile_model(model: nn.Module, mode: str | None = "default", cache_dir: Path | None = None, *,
                   backend: str | Callable = "inductor", fullgraph: bool = True,
-                  warn: Callable[[str], None] = warn_stderr) -> tuple[nn.Module, dict[str, Any]]:
+                  warn: Callable[[str], None] = warn_stderr,
+                  before_eager: Callable[[str], None] | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """(model to call, info) with info = {compiled, mode, backend, cache_dir, reason}.
 
     `mode` is one of COMPILE_MODES (None = "default"). `cache_dir` (optional) holds inductor's and
     Triton's caches. Compilation errors never raise here nor at the first call: they make
-    info["compiled"] False with the cause in info["reason"] and a warning, and the eager model runs.
+    info["compiled"] False with the cause in info["reason"] and a warning, and the eager model runs;
+    `before_eager(reason)` is called then (it may raise, e.g. the fit gate refusing the eager step).
     """
     mode = mode or "default"
     if mode not in COMPILE_MODES:
@@ -155,5 +160,7 @@ def compile_model(model: nn.Module, mode: str | None = "default", cache_dir: Pat
         info.update(compiled=False, reason=one_line(err))
         warn(f"torch.compile ({info['backend']}, mode {mode}) failed, running eager instead: "
              f"{info['reason']}")
+        if before_eager is not None:
+            before_eager(info["reason"])
         return model, info
-    return CompiledWithFallback(model, compiled, info, warn), info
+    return CompiledWithFallback(model, compiled, info, warn, before_eager), info

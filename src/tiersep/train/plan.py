@@ -51,6 +51,8 @@ class RunPlan:
     refusal: str | None = None      # set: the run is refused (exit 3)
     memory_fraction: float | None = None
     malloc: dict | None = None      # host malloc settings the CPU booking assumes (cpu_process)
+    safety_margin: float = 0.08     # the gate's, kept for a re-check (a compile falling back to eager)
+    calibration_spec: str = "auto"
 
     @property
     def compile(self) -> bool:
@@ -146,6 +148,7 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     if distrust:
         print(f"tiersep train: {distrust}", file=sys.stderr)
     margin, spec = cfg["estimate"]["safety_margin"], cfg["estimate"]["calibration"]
+    plan.safety_margin, plan.calibration_spec = margin, spec
     try:
         plan.estimate = gate(preset, device.type, plan.budget, margin, estimate=estimate, calibration_spec=spec)
     except DoesNotFit as refused:

@@ -17,7 +17,7 @@ from tiersep.train.telemetry import column_max, describe_device, host_info, vers
 # The estimate fields run.json keeps beside the measurement.
 ESTIMATE_FIELDS = ("peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "gate_required_bytes",
                    "largest_allocation_bytes", "method", "device", "budget_bytes", "fits", "uncertainty",
-                   "attention_backend", "calibration", "allocator", "cpu_process")
+                   "attention_backend", "calibration", "allocator", "cpu_process", "compiled", "compiled_note")
 
 
 def write_failure(out_dir: Path, kind: str, message: str, **extra) -> None:

@@ -134,9 +134,24 @@ class Training:
         # TIERSEP_COMPILE_BACKEND (e.g. aot_eager) bisects a compile problem without inductor
         backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
         compiled, info = compile_model(model, self.t["compile_mode"], self.out_dir.parent / ".compile_cache",
-                                       backend=backend)
-        self.compile_info.update(info)
+                                       backend=backend, before_eager=self._regate_eager)
+        # from now on the same dict the fallback updates, so run.json sees it (with what was set
+        # before: requested, and a re-check made when torch.compile itself refused)
+        info.update({k: v for k, v in self.compile_info.items() if k not in info})
+        self.compile_info = info
         return compiled
+
+    def _regate_eager(self, reason: str) -> None:
+        """The compile failed and the steps run eagerly from now on: when the gate booked the compiled
+        step, check that the eager one fits the budget too (raises DoesNotFit, recorded as a refusal)."""
+        if not (self.plan.estimate or {}).get("compiled") or self.plan.budget is None:
+            return
+        from tiersep.memory import gate
+
+        self.plan.estimate = gate(self.preset, self.device.type, self.plan.budget, self.plan.safety_margin,
+                                  calibration_spec=self.plan.calibration_spec, compiled=False)
+        self.compile_info["regated"] = (f"the eager step's estimate, {self.plan.estimate['gate_required_bytes']} "
+                                        "bytes, fits the budget")
 
     def _checkpoint(self) -> None:
         self.run_info.update({
@@ -160,6 +175,10 @@ class Training:
             except Exception as err:  # noqa: BLE001 - every failure is recorded, then re-raised or mapped
                 if is_oom(err):
                     return self._out_of_memory(err)
+                from tiersep.memory import DoesNotFit
+
+                if isinstance(err, DoesNotFit):   # the eager step after a failed compile does not fit
+                    return self._refused_after_compile(err)
                 from tiersep.data.dataset import dead_worker
 
                 record.write_failure(self.out_dir, "error", f"{type(err).__name__}: {err}",
@@ -173,6 +192,14 @@ class Training:
                 for log in (self.metrics, self.memory):
                     if log is not None:
                         log.close()
+
+    def _refused_after_compile(self, err) -> int:
+        message = f"torch.compile failed ({self.compile_info.get('reason')}) and the eager step does not fit: {err}"
+        record.write_failure(self.out_dir, "refused", message, preset=self.preset["name"], step=self.step,
+                             attempt=self.plan.attempt, attempted_allocation_bytes=None,
+                             estimate_peak_bytes=(err.estimate or {}).get("peak_bytes"))
+        print(f"tiersep train: refused: {message}", file=sys.stderr)
+        return EXIT_REFUSED
 
     def _loop(self, flag: StopFlag) -> int:
         t, steps, micro = self.t, self.t["steps"], self.t["batch_size"]
