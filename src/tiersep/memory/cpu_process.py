@@ -142,9 +142,8 @@ MODES = {"glibc_default": "glibc's malloc as it comes",
 TRAIN_IMPORTS = "import tiersep.cli, tiersep.train.trainer"
 
 
-# Appended to the probe: its peak RSS before exit (VmHWM), so the pages touched at exit are known.
-_PRINT_HWM = ("\nimport os\nif os.path.exists('/proc/self/status'):\n"
-              "    print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0])")
+# Appended to the probe: its peak RSS before exit, so the pages touched at exit are known.
+_PRINT_HWM = "\nfrom tiersep.train.telemetry import peak_rss_bytes\nprint(peak_rss_bytes())"
 
 
 @functools.cache
@@ -166,7 +165,7 @@ def process_allowance() -> dict:
         return {"process_bytes": FALLBACK_PROCESS_BYTES, "imports_peak_bytes": None, "exit_pages_bytes": 0,
                 "source": f"fallback ({err})"}
     imports = measured["peak_rss_bytes"]
-    before_exit = int(printed[-1]) * KIB if printed and printed[-1].isdigit() else imports
+    before_exit = int(printed[-1]) if printed and printed[-1].isdigit() else imports
     return {"process_bytes": imports + RUN_BYTES, "imports_peak_bytes": imports,
             "exit_pages_bytes": max(0, imports - before_exit),
             "source": f"measured: train imports peak at {imports // MIB} MiB here + {RUN_BYTES // MIB} MiB run"}

@@ -122,23 +122,28 @@ def _traced(preset: dict, device: str, cal: dict | None, compiled: bool):
     522.9 GiB, unexplained), while a compiled step measured 0.63-0.76x its eager peak on CPU and
     0.74x for MERL's model on an H100 (auto compiles no checkpointed model, where that fails)."""
     setting = f"train.compile {preset['train'].get('compile')} on {device}"
+    why_eager = _why_eager(preset, device, compiled)
+    if why_eager is None:
+        try:
+            return _trace(preset, device, cal, True), f"{setting}: the compiled step (memory/compiled.py)"
+        except Exception as err:  # noqa: BLE001 - any failure of the compiled trace: eager is an upper bound
+            why_eager = f", but the compiled trace failed ({one_line(err)}): the eager step, an upper bound"
+    return _trace(preset, device, cal, False), setting + why_eager
+
+
+def _why_eager(preset: dict, device: str, compiled: bool) -> str | None:
+    """Why the estimate traces the eager step (the end of compiled_note), or None to trace the compiled one."""
     if not compiled:
-        return _trace(preset, device, cal, False), f"{setting}: the eager step"
+        return ": the eager step"
     if preset["model"]["checkpointing"]:
-        return _trace(preset, device, cal, False), (
-            f"{setting}, checkpointed: the eager step, although the compiled run may need more: the "
-            f"compiled trace is not trusted with checkpointing (it predicted 0.62x a real compiled CPU "
-            f"step, which took 2.0x the eager peak: bench/results/compiled_estimate_cpu.md)")
+        return (", checkpointed: the eager step, although the compiled run may need more: the compiled "
+                "trace is not trusted with checkpointing (it predicted 0.62x a real compiled CPU step, "
+                "which took 2.0x the eager peak: bench/results/compiled_estimate_cpu.md)")
     if device == "cuda":
-        return _trace(preset, device, cal, False), (
-            f"{setting}: the eager step, an upper bound of the compiled one where measured (0.63-0.76x "
-            "on CPU, 0.74x for MERL's model on an H100); the compiled trace is used on CUDA once it "
-            "is checked against a GPU's compiled step (memory/compiled.py)")
-    try:
-        return _trace(preset, device, cal, True), f"{setting}: the compiled step (memory/compiled.py)"
-    except Exception as err:  # noqa: BLE001 - any failure of the compiled trace: eager is an upper bound
-        return _trace(preset, device, cal, False), (
-            f"{setting}, but the compiled trace failed ({one_line(err)}): the eager step, an upper bound")
+        return (": the eager step, an upper bound of the compiled one where measured (0.63-0.76x on CPU, "
+                "0.74x for MERL's model on an H100); the compiled trace is used on CUDA once it is "
+                "checked against a GPU's compiled step (memory/compiled.py)")
+    return None
 
 
 def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = False) -> dict:
