@@ -304,10 +304,10 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         f"Booking / real, tuned: {ratio_range(rows, 'tuned')}; default: {ratio_range(rows, 'default')} "
         "(target 1.0 to 1.25).",
         "",
-        f"A process that only imports what `tiersep train` imports peaks at {base['imports_peak_bytes'] / MIB:.0f} "
-        "MiB here, at interpreter exit (library pages touched by C++ destructors). The booking measures it on "
-        f"the machine it runs on (`cpu_process.process_allowance`: {base['source']}): it moves with the "
-        "machine and with how the page cache holds torch's libraries (612-670 MiB seen on one machine), and the train "
+        f"A probe process doing a train process's preset-independent work peaks at "
+        f"{base['probe_peak_bytes'] / MIB:.0f} MiB here, exit included (library pages touched by C++ destructors). "
+        f"The booking measures it on the machine it runs on (`cpu_process.process_allowance`: {base['source']}): "
+        "it moves with the machine and with how the page cache holds torch's libraries, and the train "
         "process's peak moves with it.",
     ]
     lines += phases_section(rows, variants)
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
         rows.append(run_preset(name, args.work, args.steps, args.threads, args.variants, name in args.phases))
         print("\n".join(table(rows[-1:], args.variants)[-1:]), flush=True)
     print("\n".join(table(rows, args.variants)))
-    print(f"imports-only process peak: {base['imports_peak_bytes'] / MIB:.0f} MiB")
+    print(f"probe process peak: {base['probe_peak_bytes'] / MIB:.0f} MiB")
     if not args.no_write:
         write_markdown(args.out, rows, args.variants, base, info, args)
         print(f"wrote {args.out}")

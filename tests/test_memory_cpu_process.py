@@ -67,29 +67,63 @@ def test_the_budget_chooses_glibcs_malloc_when_it_fits_else_the_tuned_one():
     assert cpu_process.choose_malloc(old, 1, 0.08) == old
 
 
-def test_process_allowance_is_measured_here_and_moves_with_what_the_imports_hold(monkeypatch):
-    """The allowance is the train imports' measured peak RSS plus RUN_BYTES: an import probe that
+def test_process_allowance_is_measured_here_and_moves_with_what_the_probe_holds(monkeypatch):
+    """The allowance is a probe train process's measured peak RSS plus RUN_BYTES: a probe that
     holds 256 MiB more is booked 256 MiB more, not a constant's worth."""
     measured = cpu_process.process_allowance()
     assert measured["source"].startswith("measured"), measured
-    assert 200 * MIB < measured["imports_peak_bytes"] < 4 * GIB       # torch alone maps hundreds of MiB
-    assert measured["process_bytes"] == measured["imports_peak_bytes"] + cpu_process.RUN_BYTES
+    assert 200 * MIB < measured["probe_peak_bytes"] < 4 * GIB       # torch alone maps hundreds of MiB
+    assert measured["process_bytes"] == measured["probe_peak_bytes"] + cpu_process.RUN_BYTES
     if ON_GLIBC:   # Linux: the probe read its own peak before exit; C++ destructors touch pages after
-        assert 0 < measured["exit_pages_bytes"] < measured["imports_peak_bytes"]
+        assert 0 < measured["exit_pages_bytes"] < measured["probe_peak_bytes"]
     booked = cpu_process.booking({"peak_bytes": 64 * MIB}, PRESET)
     assert booked["run_rss_bytes"] == booked["rss_bytes"] - measured["exit_pages_bytes"]
     probes = {}
-    for mib in (256, 512):    # both above the exit-time peak, which comes after `held` is freed
+    for mib in (256, 512):    # held through the probe's steps, above its exit-time peak
         monkeypatch.setattr(cpu_process, "TRAIN_IMPORTS", f"import torch; held = b'x' * ({mib} * 2**20)")
-        probes[mib] = cpu_process.process_allowance.__wrapped__()["process_bytes"]
+        probes[mib] = cpu_process.measure_process_allowance()["process_bytes"]
     assert probes[512] - probes[256] == pytest.approx(256 * MIB, abs=16 * MIB)
+
+
+def test_the_probe_takes_real_training_steps():
+    """The probe runs the trainer's own step on the smallest model: its losses are finite and move."""
+    code = cpu_process.TRAIN_IMPORTS + cpu_process._PROBE
+    proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    losses = report["losses"]
+    assert len(losses) == cpu_process.PROBE_STEPS and all(abs(x) < 1e3 for x in losses)
+    assert losses[0] != losses[1]                     # AdamW changed the weights between the steps
+    assert report["peak_before_exit_bytes"] > 200 * MIB
+
+
+def test_process_allowance_is_measured_once_per_boot_and_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    fake = {"process_bytes": 900 * MIB, "probe_peak_bytes": 852 * MIB, "exit_pages_bytes": 0, "source": "measured: x"}
+    monkeypatch.setattr(cpu_process, "measure_process_allowance", lambda: calls.append(1) or dict(fake))
+    first = cpu_process.process_allowance.__wrapped__()
+    second = cpu_process.process_allowance.__wrapped__()
+    cache = cpu_process.allowance_cache_file()
+    if cache is None:            # no boot id (not Linux): every process measures
+        assert len(calls) == 2
+        return
+    assert len(calls) == 1 and first == fake and cache.parent == tmp_path / "tiersep"
+    assert second == {**fake, "cache_file": str(cache)}
+    cache.write_text("{not json")                      # a damaged file is measured again
+    assert cpu_process.process_allowance.__wrapped__() == fake and len(calls) == 2
+    fallback = {**fake, "probe_peak_bytes": None, "source": "fallback (x)"}
+    cache.unlink()
+    monkeypatch.setattr(cpu_process, "measure_process_allowance", lambda: dict(fallback))
+    cpu_process.process_allowance.__wrapped__()
+    assert not cache.exists()                          # a fallback is never kept
 
 
 def test_process_allowance_falls_back_and_says_why(monkeypatch):
     monkeypatch.setattr(cpu_process.sys, "executable", "/nonexistent/python")
-    fallback = cpu_process.process_allowance.__wrapped__()
+    fallback = cpu_process.measure_process_allowance()
     assert fallback["process_bytes"] == cpu_process.FALLBACK_PROCESS_BYTES
-    assert fallback["source"].startswith("fallback (") and fallback["imports_peak_bytes"] is None
+    assert fallback["source"].startswith("fallback (") and fallback["probe_peak_bytes"] is None
 
 
 # ------------------------------------------------------------------------------ configure_malloc

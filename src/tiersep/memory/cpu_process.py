@@ -2,8 +2,9 @@
 
 On a CPU the estimate's peak_bytes is the peak of live tensor bytes; the fit gate books the whole
 `tiersep train` process's peak RSS, predicted here (`booking`): a process allowance measured on
-this machine (`process_allowance`: what the train imports hold, library pages touched at exit
-included, plus the run's fixed part: the gate's in-process trace, model, loader) plus the live bytes
+this machine (`process_allowance`: the peak RSS, exit included, of a probe process doing what every
+train process does whatever its preset: imports, the gate's trace, steps of the smallest model;
+plus the loader and bookkeeping) plus the live bytes
 times a factor that covers validation, export and what malloc holds beyond the live tensors. The
 factor depends on the malloc mode: glibc as it comes (fast, looser) or tuned (`configure_malloc`,
 tight, slow); `choose_malloc` picks glibc's own whenever its booking fits the budget.
@@ -26,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -114,20 +117,23 @@ def measure_peak_rss(cmd: list[str], env: dict | None = None, cwd=None, log=None
 # ---------------------------------------------------------------------------------------------
 # The train process's peak RSS = the process allowance + a factor x the step's live tensor bytes:
 # LIVE_FACTOR with configure_malloc() applied, GLIBC_DEFAULT_FACTOR(_CHECKPOINTED) without.
-# The allowance is measured on the machine, not a constant: a fresh interpreter that imports what
-# `tiersep train` imports peaks (at exit) at 612-670 MiB on one machine alone, depending on how the
-# page cache holds torch's shared libraries (large folios map more pages per fault). A tiny
-# preset's train process peaked at 784 and 837 MiB there, moving with the import-only peak to the
-# MiB, and at 1049-1072 MiB on the CI machine, where a constant 1010 MiB under-booked it.
-# RUN_BYTES: what a train process adds to that whatever the preset: the gate's in-process trace
-# (~140 MiB), the model, loader and validation segments of a small preset; tiny presets (live
-# 10-90 MiB) peaked 166-172 MiB above the import-only peak, booked at 220.
+# The allowance is measured on the machine, not a constant: a probe process does what every
+# `tiersep train` process does whatever its preset (the train imports, the gate's trace, two AdamW
+# steps of the smallest model, a validation forward, a checkpoint's serialisation) and its peak RSS,
+# exit included, is taken. What torch's shared libraries occupy depends on the machine and on how
+# the page cache holds them (large folios map more pages per fault): the import-only peak was
+# 612-670 MiB on one machine and ~870 MiB on the CI machine, and the part a run adds to it moved
+# too (166-172 MiB here, 235-300 MiB there). A tiny preset's train process peaked within 2 MiB
+# of the probe here (802 vs 800 MiB).
+# RUN_BYTES: what a real run adds to the probe whatever the preset: the dataset and loader, the
+# logs and bookkeeping.
 # LIVE_FACTOR (tuned): the large presets peaked 1.03-1.07x their live bytes above the rest
 # (validation, export, accumulation and checkpointing included), booked at 1.10.
-# FALLBACK_PROCESS_BYTES: the allowance when the measurement cannot run (the bench machine's).
-RUN_BYTES = 220 * MIB
+# FALLBACK_PROCESS_BYTES: the allowance when the measurement cannot run: the largest tiny train
+# process seen (1126 MiB, on the CI machine) + RUN_BYTES.
+RUN_BYTES = 48 * MIB
 LIVE_FACTOR = 1.10
-FALLBACK_PROCESS_BYTES = 1010 * MIB
+FALLBACK_PROCESS_BYTES = 1174 * MIB
 # With glibc's malloc as it comes (the dynamic mmap threshold climbs to the size of the first large
 # free, then most tensors live in a heap that only shrinks from the top) the peak grew 0.3-1.3x the
 # live bytes above the allowance, and 1.5-1.6x with checkpointing (its recomputation frees and
@@ -140,35 +146,111 @@ MODES = {"glibc_default": "glibc's malloc as it comes",
          "tuned": f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (cpu_process.configure_malloc)"}
 # What `tiersep train` imports before it builds anything (cli.cmd_train -> train.trainer).
 TRAIN_IMPORTS = "import tiersep.cli, tiersep.train.trainer"
+# The probe's model: the smallest real TF-Locoformer (1 layer x 8 channels, 0.25 s at 8 kHz).
+PROBE_PRESET = {
+    "name": "process_allowance_probe",
+    "audio": {"sample_rate": 8000, "channels": 2, "segment_samples": 2000, "n_fft": 128, "hop": 64},
+    "model": {"n_layers": 1, "emb_dim": 8, "attention_dim": 8, "n_heads": 2, "ffn_hidden": 16,
+              "norm_groups": 2, "dropout": 0.0},
+    "train": {"device": "cpu", "batch_size": 2, "precision": "fp32", "num_workers": 0},
+}
+PROBE_STEPS = 2
 
 
-# Appended to the probe: its peak RSS before exit, so the pages touched at exit are known.
-_PRINT_HWM = "\nfrom tiersep.train.telemetry import peak_rss_bytes\nprint(peak_rss_bytes())"
+def probe_train_process() -> None:
+    """Run in the probe process (after TRAIN_IMPORTS): the preset-independent work of a train
+    process on PROBE_PRESET, then print its peak RSS before exit and the steps it took, as JSON."""
+    import io
+
+    import torch
+
+    from tiersep import config
+    from tiersep.memory.trace import trace_step
+    from tiersep.model import build_loss, build_model
+    from tiersep.train.step import make_optimizer, train_step
+    from tiersep.train.telemetry import peak_rss_bytes
+
+    preset = config.validate(json.loads(json.dumps(PROBE_PRESET)), "preset.schema.yaml", "probe")
+    trace_step(preset, "cpu")                            # the gate's trace
+    model, loss_fn = build_model(preset), build_loss(preset)
+    optimizer = make_optimizer(model, preset, "cpu")
+    audio, batch = preset["audio"], preset["train"]["batch_size"]
+    mixture = torch.randn(batch, audio["channels"], audio["segment_samples"])
+    stems = torch.randn(batch, len(preset["model"]["sources"]), audio["channels"], audio["segment_samples"])
+    losses = [float(train_step(model, loss_fn, optimizer, [(mixture, stems)], preset, "cpu")[0])
+              for _ in range(PROBE_STEPS)]
+    model.eval()
+    with torch.no_grad():                                 # validation
+        model(mixture)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, io.BytesIO())
+    print(json.dumps({"peak_before_exit_bytes": peak_rss_bytes(), "losses": losses}))
+
+
+_PROBE = "\nfrom tiersep.memory.cpu_process import probe_train_process\nprobe_train_process()"
+
+
+def measure_process_allowance() -> dict:
+    """What a `tiersep train` process on this machine holds whatever the preset: the measured peak
+    RSS (exit included) of a fresh probe process doing a train process's preset-independent work
+    (`probe_train_process`, ~6 s) plus RUN_BYTES; and exit_pages_bytes, what the probe touched
+    only at exit (library pages of C++ destructors: not in a run's own peak_rss_bytes, read before
+    exit). Falls back to FALLBACK_PROCESS_BYTES, saying why, when the measurement fails."""
+    try:
+        with tempfile.TemporaryFile("w+") as out:
+            measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS + _PROBE], log=out, timeout=300)
+            out.seek(0)
+            printed = out.read().strip().splitlines()
+        if measured["returncode"] != 0:
+            raise RuntimeError(f"the probe exited {measured['returncode']}: {' '.join(printed[-3:])[-300:]}")
+        report = json.loads(printed[-1])
+    except (OSError, RuntimeError, ValueError, IndexError, subprocess.TimeoutExpired) as err:
+        return {"process_bytes": FALLBACK_PROCESS_BYTES, "probe_peak_bytes": None, "exit_pages_bytes": 0,
+                "source": f"fallback ({err})"}
+    probe = measured["peak_rss_bytes"]
+    return {"process_bytes": probe + RUN_BYTES, "probe_peak_bytes": probe,
+            "exit_pages_bytes": max(0, probe - int(report["peak_before_exit_bytes"])),
+            "source": f"measured: a probe train process (imports, trace, {PROBE_STEPS} steps) peaks at "
+                      f"{probe // MIB} MiB here + {RUN_BYTES // MIB} MiB run"}
+
+
+def allowance_cache_file() -> Path | None:
+    """Where this boot's measurement for this interpreter and this probe is kept, or None when
+    there is no boot id (not Linux). The key changes with a reboot (the page cache starts again),
+    with the interpreter or venv, with the installed torch and with this module (the probe)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    torch_spec = importlib.util.find_spec("torch")
+    torch_init = Path(torch_spec.origin) if torch_spec and torch_spec.origin else None
+    parts = [boot, os.path.realpath(sys.executable), sys.prefix, Path(__file__).read_text(),
+             f"{torch_init}:{torch_init.stat().st_mtime_ns}" if torch_init else "no torch"]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "tiersep" / f"process-allowance-{key}.json"
 
 
 @functools.cache
 def process_allowance() -> dict:
-    """What a `tiersep train` process on this machine holds whatever the preset: the measured peak
-    RSS of a fresh interpreter doing the train imports (exit included, ~2 s, once per process) plus
-    RUN_BYTES; and exit_pages_bytes, what that probe touched only at exit (library pages of C++
-    destructors: not in a run's own peak_rss_bytes, read before exit). Falls back to
-    FALLBACK_PROCESS_BYTES, saying why, when the measurement fails."""
-    try:
-        with tempfile.TemporaryFile("w+") as out:
-            measured = measure_peak_rss([sys.executable, "-c", TRAIN_IMPORTS + _PRINT_HWM], log=out,
-                                        timeout=120)
-            out.seek(0)
-            printed = out.read().split()
-        if measured["returncode"] != 0:
-            raise RuntimeError(f"the import probe exited {measured['returncode']}")
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as err:
-        return {"process_bytes": FALLBACK_PROCESS_BYTES, "imports_peak_bytes": None, "exit_pages_bytes": 0,
-                "source": f"fallback ({err})"}
-    imports = measured["peak_rss_bytes"]
-    before_exit = int(printed[-1]) if printed and printed[-1].isdigit() else imports
-    return {"process_bytes": imports + RUN_BYTES, "imports_peak_bytes": imports,
-            "exit_pages_bytes": max(0, imports - before_exit),
-            "source": f"measured: train imports peak at {imports // MIB} MiB here + {RUN_BYTES // MIB} MiB run"}
+    """measure_process_allowance(), measured once per boot, interpreter and torch: every estimate
+    and train process of a run reads the first one's figure (allowance_cache_file) instead of
+    spending ~6 s on its own probe. A fallback is never kept."""
+    cache = allowance_cache_file()
+    if cache is not None and cache.is_file():
+        try:
+            return {**json.loads(cache.read_text()), "cache_file": str(cache)}
+        except (OSError, ValueError):
+            pass                                         # unreadable: measure again
+    allowance = measure_process_allowance()
+    if cache is not None and allowance["probe_peak_bytes"] is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(allowance))
+            partial.replace(cache)                       # atomic: parallel jobs may race to write
+        except OSError:
+            pass                                         # a read-only home: measure in every process
+    return allowance
 
 
 def booking(record: dict, preset: dict) -> dict:
@@ -181,7 +263,8 @@ def booking(record: dict, preset: dict) -> dict:
     allowance = process_allowance()
     process, exit_pages = allowance["process_bytes"], allowance["exit_pages_bytes"]
     default = GLIBC_DEFAULT_FACTOR_CHECKPOINTED if preset["model"]["checkpointing"] else GLIBC_DEFAULT_FACTOR
-    booked = {"live_bytes": live, "process_bytes": process, "process_source": allowance["source"],
+    source = allowance["source"] + (f"; kept in {allowance['cache_file']}" if "cache_file" in allowance else "")
+    booked = {"live_bytes": live, "process_bytes": process, "process_source": source,
               "exit_pages_bytes": exit_pages, "malloc_setting": preset["train"]["host_malloc"]}
     for mode, factor in (("glibc_default", default), ("tuned", LIVE_FACTOR)):
         rss = int(process + factor * live)
