@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -173,10 +174,72 @@ def _stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _owning(batches: Iterator) -> Iterator:
+def _owning(batches: Iterator, restore) -> Iterator:
     """A generator holding the only reference to torch's loader iterator: closing it (the trainer
-    does, when its loop ends) drops that iterator, which shuts its workers down right away."""
-    yield from batches
+    does, when its loop ends) drops that iterator, which shuts its workers down right away.
+    A worker killed while it handed over a batch surfaces as the hand-over's error (EOFError,
+    ConnectionResetError); it is raised as the dead worker's error, from that one.
+    `restore`: undoes _report_dead_worker_once when the loader is done."""
+    try:
+        yield from batches
+    except (EOFError, ConnectionError) as err:
+        _raise_if_a_worker_died(err)
+        raise
+    finally:
+        restore()
+
+
+def _raise_if_a_worker_died(cause: BaseException, wait_s: float = 2.0) -> None:
+    """torch's own check (what its SIGCHLD handler runs): a RuntimeError naming the dead worker's
+    pid and signal, if one of this process's loader workers has died. A killed worker can break
+    its connection before the kernel has made it a zombie: ask again for up to `wait_s`."""
+    from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            _error_if_any_worker_fails()
+        except RuntimeError as dead:
+            raise dead from cause
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
+def _report_dead_worker_once():
+    """Wrap torch's SIGCHLD handler for one loader. torch's raises "DataLoader worker (pid N) is
+    killed by signal" in the main thread, at any bytecode, on every SIGCHLD while a dead worker is
+    registered (its iterator lives on in the traceback), so a second one, from the other workers
+    exiting, landed while the first was handled (3 runs in 6, tests/test_data_dataset.py) and
+    could lose failure.json. The first goes through; once it has, the wrapper stays and drops the
+    rest. Returns what puts torch's handler back when the loader is done (a no-op off the main
+    thread)."""
+    current = signal.getsignal(signal.SIGCHLD)
+    torch_handler = getattr(current, "torch_handler", current)   # never wrap an earlier loader's wrapper
+    if not callable(torch_handler):
+        return lambda: None
+    raised = False
+
+    def once(signum, frame):
+        nonlocal raised
+        if raised:
+            return
+        try:
+            torch_handler(signum, frame)
+        except RuntimeError:
+            raised = True
+            raise
+
+    once.torch_handler = torch_handler
+    try:
+        signal.signal(signal.SIGCHLD, once)
+    except ValueError:       # not the main thread: torch's handler stays as it is
+        return lambda: None
+
+    def restore():
+        if not raised and signal.getsignal(signal.SIGCHLD) is once:
+            signal.signal(signal.SIGCHLD, torch_handler)
+    return restore
 
 
 # torch's messages for a worker that died: "DataLoader worker (pid 123) is killed by signal: Killed. ",
@@ -229,8 +292,9 @@ def make_loader(dataset: SegmentDataset, batch_size: int, num_workers: int, star
         # trainer's dropout draws would differ between a fresh and a resumed run)
         generator=torch.Generator().manual_seed(dataset.seed))
     with _stop_signals_blocked():
-        batches = iter(loader)  # forks the workers
-    return _owning(batches)
+        batches = iter(loader)  # forks the workers; torch installs its SIGCHLD handler
+        restore = _report_dead_worker_once()
+    return _owning(batches, restore)
 
 
 def validation_segments(prepared_dir, sources, segment_samples: int, count: int, seed: int,
