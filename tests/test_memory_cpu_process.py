@@ -207,8 +207,10 @@ def test_measure_peak_rss_reports_the_exit_code_and_kills_on_timeout():
 
 
 def test_own_peak_rss_sees_an_allocation_in_this_process():
-    code = LOAD_CPU_PROCESS + "a = cpu_process.own_peak_rss_bytes(); b = bytearray(96 * 2**20); " \
-        "print(cpu_process.own_peak_rss_bytes() - a)"
+    """telemetry.peak_rss_bytes (run.json's peak_rss_bytes, the probe's pre-exit peak) is this
+    process's own: it grows by what the process allocates."""
+    code = "from tiersep.train.telemetry import peak_rss_bytes as peak\n" \
+        "a = peak(); b = bytearray(96 * 2**20); print(peak() - a)"
     proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 90 * MIB <= int(proc.stdout.strip()) < 110 * MIB

@@ -20,7 +20,7 @@ Also here:
   child's ru_maxrss starts at its parent's high-water mark (Linux carries it across fork and
   exec), so a train process started directly from pytest, or from a bench that has traced, reads
   as the parent's peak whenever that is higher.
-- `own_peak_rss_bytes()`: this process's peak RSS since exec (VmHWM), free of that inheritance.
+  (A process's own peak since exec, free of that inheritance: train.telemetry.peak_rss_bytes.)
 """
 from __future__ import annotations
 
@@ -72,13 +72,6 @@ def configure_malloc() -> dict:
 # ---------------------------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------------------------
-def own_peak_rss_bytes() -> int:
-    """This process's peak resident set since exec (VmHWM; see train.telemetry.peak_rss_bytes)."""
-    from tiersep.train.telemetry import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
 # Run in a fresh, small interpreter: start the command, wait for it, write its rusage.
 _LAUNCHER = """
 import json, os, subprocess, sys
