@@ -40,6 +40,8 @@ CASES = {
     "tiny bf16": {"train.precision": "bf16"},
     "2 layers, batch 4": {"model.n_layers": 2, "train.batch_size": 4},
     "2 layers, checkpointed": {"model.n_layers": 2, "model.checkpointing": True},
+    "tiny, accumulation 2": {"train.grad_accum": 2},
+    "2 layers, batch 2, accumulation 4": {"model.n_layers": 2, "train.batch_size": 2, "train.grad_accum": 4},
 }
 
 

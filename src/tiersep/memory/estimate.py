@@ -116,11 +116,11 @@ def _trace(preset: dict, device: str, cal: dict | None, compiled: bool):
 
 
 def _traced(preset: dict, device: str, cal: dict | None, compiled: bool):
-    """(trace result, compiled_note): the compiled step's trace when asked for on CPU (within 2.8% of
+    """(trace result, compiled_note): the compiled step's trace when asked for on CPU (within 0.02% of
     real inductor CPU steps), else or when that fails the eager one. On CUDA the eager step: the
-    compiled trace is not checked against a GPU, and it traced `large` above eager (686.5 against
-    522.9 GiB, unexplained), while a compiled step measured 0.63-0.76x its eager peak on CPU and
-    0.74x for MERL's model on an H100 (auto compiles no checkpointed model, where that fails)."""
+    compiled trace (0.66x eager for `large`, 0.67x for `small`) is not checked against a GPU, while a
+    compiled step measured 0.63-0.77x its eager peak on CPU and 0.74x for MERL's model on an H100,
+    so eager is an upper bound (auto compiles no checkpointed model, where that fails)."""
     setting = f"train.compile {preset['train'].get('compile')} on {device}"
     why_eager = _why_eager(preset, device, compiled)
     if why_eager is None:
@@ -137,10 +137,10 @@ def _why_eager(preset: dict, device: str, compiled: bool) -> str | None:
         return ": the eager step"
     if preset["model"]["checkpointing"]:
         return (", checkpointed: the eager step, although the compiled run may need more: the compiled "
-                "trace is not trusted with checkpointing (it predicted 0.62x a real compiled CPU step, "
+                "trace is not trusted with checkpointing (it predicted 0.56x a real compiled CPU step, "
                 "which took 2.0x the eager peak: bench/results/compiled_estimate_cpu.md)")
     if device == "cuda":
-        return (": the eager step, an upper bound of the compiled one where measured (0.63-0.76x on CPU, "
+        return (": the eager step, an upper bound of the compiled one where measured (0.63-0.77x on CPU, "
                 "0.74x for MERL's model on an H100); the compiled trace is used on CUDA once it is "
                 "checked against a GPU's compiled step (memory/compiled.py)")
     return None
