@@ -159,23 +159,19 @@ def probe_train_process() -> None:
 
     from tiersep import config
     from tiersep.memory.trace import trace_step
-    from tiersep.model import build_loss, build_model
-    from tiersep.train.step import make_optimizer, train_step
+    from tiersep.memory.workload import build_workload
+    from tiersep.train.step import train_step
     from tiersep.train.telemetry import peak_rss_bytes
 
     preset = config.validate(json.loads(json.dumps(PROBE_PRESET)), "preset.schema.yaml", "probe")
     trace_step(preset, "cpu")                            # the gate's trace
-    model, loss_fn = build_model(preset), build_loss(preset)
-    optimizer = make_optimizer(model, preset, "cpu")
-    audio, batch = preset["audio"], preset["train"]["batch_size"]
-    mixture = torch.randn(batch, audio["channels"], audio["segment_samples"])
-    stems = torch.randn(batch, len(preset["model"]["sources"]), audio["channels"], audio["segment_samples"])
-    losses = [float(train_step(model, loss_fn, optimizer, [(mixture, stems)], preset, "cpu")[0])
+    work = build_workload(preset, "cpu", torch.randn)
+    losses = [float(train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu")[0])
               for _ in range(PROBE_STEPS)]
-    model.eval()
+    work.model.eval()
     with torch.no_grad():                                 # validation
-        model(mixture)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, io.BytesIO())
+        work.model(work.inputs[0][0])
+    torch.save({"model": work.model.state_dict(), "optimizer": work.optimizer.state_dict()}, io.BytesIO())
     print(json.dumps({"peak_before_exit_bytes": peak_rss_bytes(), "losses": losses}))
 
 
