@@ -1,0 +1,217 @@
+"""Output folders tiersep owns: what it may replace, and one writer at a time.
+
+The rules (docs/safety.md):
+- Every folder a stage writes (prepare, train, evaluate, report) carries a small stamp, `.tiersep`
+  (a prepared dataset's manifest.json is its stamp too). tiersep writes into, replaces or moves
+  things inside a folder only when it carries tiersep's stamp of the same stage, is empty or new,
+  or holds nothing but the files that stage writes (a results tree from before stamps existed).
+  Anything else is refused with one line: nothing of the user's is touched.
+- `/`, the home folder, the working directory and their ancestors are never an output folder.
+- One writer per output folder: `exclusive()` holds an `fcntl.flock` on a lock file beside the
+  folder (`.<name>.lock`; beside, not inside, because a prepared folder is replaced whole). The
+  kernel drops the lock when the process dies, so a lock is never stale. A second writer stops at
+  once naming the holder's pid and host.
+- Temporary names are tiersep's own (`.<name>.<8 random chars>.tmp`, see tiersep.io); one left by
+  a killed writer is removed by the next writer of that folder, under the lock, and nothing else.
+- Nothing that holds results is deleted: a run that must start over moves the old one aside
+  (`move_aside`) into `<folder>/previous/<time>/`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tiersep.config import ConfigError
+
+STAMP = ".tiersep"
+PREVIOUS = "previous"
+STAGES = ("prepare", "train", "evaluate", "report", "separate")
+EXIT_BUSY = 5
+# tempfile's names: prefix + 8 characters of "abcdefghijklmnopqrstuvwxyz0123456789_" + suffix
+_TEMP_TAIL = re.compile(r"\.[a-z0-9_]{8}\.tmp$")
+
+
+class OutputRefused(ConfigError):
+    """An output path tiersep will not write into or replace (exit 2); one line naming it."""
+
+
+class OutputBusy(ConfigError):
+    """Another live process writes the same output folder (exit 5); names its pid and host."""
+
+    exit_code = EXIT_BUSY
+
+
+def is_temp_name(name: str, owner: str | None = None) -> bool:
+    """Whether `name` is one of tiersep's temporary names (of the file or folder `owner`, if given)."""
+    if not name.startswith(".") or not _TEMP_TAIL.search(name):
+        return False
+    return owner is None or name[:-len(".xxxxxxxx.tmp")] == f".{owner}"
+
+
+def forbidden(path: str | Path) -> str | None:
+    """Why `path` can never be an output folder (/, home, the working directory or an ancestor of
+    either), or None."""
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    home = Path(os.path.realpath(Path.home()))
+    cwd = Path(os.path.realpath(Path.cwd()))
+    if target == Path(target.anchor):
+        return "it is the root folder"
+    if target == home or target in home.parents:
+        return "it is your home folder" if target == home else "it holds your home folder"
+    if target == cwd or target in cwd.parents:
+        return "it is the working directory" if target == cwd else "it holds the working directory"
+    return None
+
+
+def read_stamp(folder: str | Path) -> dict | None:
+    """The stamp of a tiersep output folder ({"stage", ...}), or None."""
+    try:
+        stamp = json.loads((Path(folder) / STAMP).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return stamp if isinstance(stamp, dict) and stamp.get("stage") in STAGES else None
+
+
+def write_stamp(folder: str | Path, stage: str) -> None:
+    from tiersep import __version__
+
+    stamp = {"stage": stage, "made_by": f"tiersep {__version__}",
+             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    from tiersep.io import write_text
+
+    write_text(Path(folder) / STAMP, json.dumps(stamp) + "\n")
+
+
+def user_entries(folder: Path) -> list[str]:
+    """Names in `folder` other than tiersep's stamp and temporary names."""
+    return sorted(e.name for e in os.scandir(folder) if e.name != STAMP and not is_temp_name(e.name))
+
+
+def claim(folder: str | Path, stage: str, option: str = "--out", known: Callable[[Path], bool] | None = None) -> Path:
+    """Make `folder` this stage's output folder, or refuse (OutputRefused, one line).
+
+    Taken: a new or empty folder, one stamped by this stage, or one that `known(folder)` recognises
+    as this stage's output from before stamps. The folder then carries the stamp."""
+    folder = Path(folder)
+    why = forbidden(folder)
+    if why:
+        raise OutputRefused(f"{option} {folder}: refused, {why}; give a folder of its own, e.g. a new one")
+    if folder.exists() and not folder.is_dir():
+        raise OutputRefused(f"{option} {folder}: is a file, not a folder")
+    stamp = read_stamp(folder) if folder.is_dir() else None
+    if stamp is not None:
+        if stamp["stage"] != stage:
+            raise OutputRefused(f"{option} {folder}: is a tiersep {stamp['stage']} folder, not a {stage} "
+                                "folder; give another folder")
+        return folder
+    if folder.is_dir():
+        names = user_entries(folder)
+        if names and not (known and known(folder)):
+            shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise OutputRefused(f"{option} {folder}: holds files tiersep did not make ({shown}); tiersep "
+                                "never writes over them: give a new or empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_stamp(folder, stage)
+    return folder
+
+
+def only_names(allowed: set[str] | Callable[[str], bool]) -> Callable[[Path], bool]:
+    """A `known` test for claim(): the folder holds nothing but names this stage writes."""
+    test = allowed if callable(allowed) else allowed.__contains__
+    return lambda folder: all(test(name) for name in user_entries(folder))
+
+
+def lock_path(folder: str | Path) -> Path:
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}.lock"
+
+
+@contextlib.contextmanager
+def exclusive(folder: str | Path, option: str = "--out") -> Iterator[Path]:
+    """Hold the one-writer lock of `folder` for the block (OutputBusy when another process has it).
+    Inside the block, temporaries left by a killed writer of this folder are removed first."""
+    folder = Path(folder)
+    path = lock_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            raise OutputBusy(f"{option} {folder}: in use by {_holder(fd)}; wait for it to finish "
+                             f"(the lock is {path}, released when that process ends)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
+        remove_stale_temps(folder)
+        yield folder
+    finally:
+        os.close(fd)   # releases the lock; the file stays (removing it would race a waiting writer)
+
+
+def _me() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
+            "since": dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return (f"pid {info['pid']} on {info['host']} (since {info.get('since', '?')}: "
+                f"{str(info.get('command', ''))[:120]})")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Remove tiersep temporaries of `folder` (beside it) and inside it, left by a killed writer.
+    Call only under `exclusive(folder)`: then no live writer can own them."""
+    removed = []
+    candidates = []
+    if folder.parent.is_dir():
+        candidates += [Path(e.path) for e in os.scandir(folder.parent) if is_temp_name(e.name, folder.name)]
+    if folder.is_dir() and read_stamp(folder) is not None:
+        for root, dirs, files in os.walk(folder):
+            candidates += [Path(root) / n for n in dirs + files if is_temp_name(n)]
+            dirs[:] = [d for d in dirs if not is_temp_name(d)]
+    for path in candidates:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    if removed:
+        print(f"tiersep: removed {len(removed)} temporary file(s) a killed job left in {folder}", file=sys.stderr)
+    return removed
+
+
+def move_aside(folder: str | Path, reason: str) -> Path | None:
+    """Move everything of a run in `folder` (all but the stamp, temporaries and earlier moved runs)
+    into folder/previous/<time>/, with a note of why; returns that folder (None: nothing to move)."""
+    folder = Path(folder)
+    names = [n for n in user_entries(folder) if n != PREVIOUS]
+    if not names:
+        return None
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    dest = folder / PREVIOUS / stamp
+    suffix = 1
+    while dest.exists():
+        suffix += 1
+        dest = folder / PREVIOUS / f"{stamp}-{suffix}"
+    dest.mkdir(parents=True)
+    for name in names:
+        os.rename(folder / name, dest / name)
+    (dest / "moved-aside.json").write_text(json.dumps(
+        {"reason": reason, "moved": dt.datetime.now().isoformat(timespec="seconds"), "files": names}, indent=2) + "\n")
+    return dest
