@@ -11,10 +11,17 @@ Each schema requires what readers rely on and allows extra fields, so a writer m
 writer calls `validate_record(kind, record, path)` before writing; the report calls `read_record`.
 Errors are one line naming the file and the field, e.g.
 `results/train/a/run.json: peak_allocated_bytes: missing (required)`.
+
+Every number in a record is finite. Python's json module reads (and by default writes) the tokens
+NaN, Infinity and -Infinity, which strict JSON has not; a JSON schema's `type: number` accepts them.
+tiersep's writers write null for an undefined value, so a non-finite number anywhere in a record is
+refused, e.g. `results/eval/a/scores.json: overall/si_sdr: NaN is not a finite number`, before the
+schema is checked: a NaN score must never pass as "no value" nor be compared as a number.
 """
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,11 +61,37 @@ def _field_and_problem(error) -> tuple[str, str]:
     return "/".join(path) or "(top level)", error.message
 
 
+def non_finite(record) -> tuple[tuple, float] | None:
+    """(field path, value) of the first NaN or ±inf in `record` (dicts and lists, in document
+    order), or None. Iterative: a deeply nested record must not overflow the stack."""
+    stack = [((), record)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where, value
+        if isinstance(value, dict):
+            stack += [(where + (key,), item) for key, item in reversed(value.items())]
+        elif isinstance(value, (list, tuple)):
+            stack += [(where + (index,), item) for index, item in reversed(list(enumerate(value)))]
+    return None
+
+
+def _json_spelling(value: float) -> str:
+    """NaN, Infinity, -Infinity: as the token stands in the file."""
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
 def validate_record(kind: str, record, path: str | Path) -> dict:
-    """Return `record` when it follows the `kind` schema (and its cross-field rules); otherwise
-    raise RecordError '<path>: <field>: <problem>' for the shallowest problem."""
+    """Return `record` when every number in it is finite and it follows the `kind` schema (and its
+    cross-field rules); otherwise raise RecordError '<path>: <field>: <problem>' (the first
+    non-finite number, else the shallowest schema problem)."""
     if not isinstance(record, dict):
         raise RecordError(f"{path}: expected a JSON object, got {type(record).__name__}")
+    bad = non_finite(record)
+    if bad is not None:
+        where, value = bad
+        field = "/".join(map(str, where))
+        raise RecordError(f"{path}: {field}: {_json_spelling(value)} is not a finite number", where)
     errors = sorted(_validator(kind).iter_errors(record),
                     key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
@@ -75,9 +108,17 @@ def read_record(kind: str, path: str | Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RecordError(f"{path}: not valid JSON ({err})") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise RecordError(f"{path}: not valid JSON (not UTF-8 text: {err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise RecordError(f"{path}: cannot be read ({err.strerror or err})") from None
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        # ValueError: JSONDecodeError, and an integer over Python's digit limit; RecursionError:
+        # nesting deeper than the parser's stack
+        raise RecordError(f"{path}: not valid JSON ({str(err) or type(err).__name__})") from None
     return validate_record(kind, record, path)
 
 

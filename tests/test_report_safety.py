@@ -1,0 +1,148 @@
+"""The report never hides a bad number and writes only into a folder of its own (issue 19).
+
+Real results trees (a copy of tests/fixtures/results, damaged in place) and the real `tiersep
+report` CLI in a subprocess: NaN/inf scores are invalid records naming file and field, a damaged
+metrics.csv or memory.csv is an invalid record instead of a crash, names from disk and records
+carry no raw HTML into report.md or index.html, and --out refuses a user's folder and a second
+writer."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, REPO
+from tiersep import config as C
+from tiersep.records import RecordError, read_record, validate_record
+from tiersep.report import collect
+
+FIXTURES = REPO / "tests" / "fixtures"
+RESULTS = FIXTURES / "results"
+STEMS = ("drums", "bass", "other", "vocals")
+
+
+def copy_results(where: Path) -> Path:
+    results = where / "results"
+    shutil.copytree(RESULTS, results)
+    return results
+
+
+def fixture_config(results: Path) -> dict:
+    return C.load_config(FIXTURES / "report" / "config.yaml", overrides={
+        "presets_dir": str(FIXTURES / "report" / "presets"), "results_dir": str(results),
+        "data": {"prepared_dir": str(FIXTURES / "report" / "prepared")}})
+
+
+def config_file(tmp_path: Path, results: Path) -> Path:
+    """The fixture config with absolute paths, as a file for the CLI."""
+    cfg = yaml.safe_load((FIXTURES / "report" / "config.yaml").read_text())
+    cfg["presets_dir"] = str(FIXTURES / "report" / "presets")
+    cfg["data"]["prepared_dir"] = str(FIXTURES / "report" / "prepared")
+    cfg["results_dir"] = str(results)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def tiersep_report(tmp_path: Path, results: Path, out: Path) -> subprocess.CompletedProcess:
+    """The real CLI, run from tmp_path (not the repository: git_commit is 'unknown' there)."""
+    return subprocess.run([str(BIN / "tiersep"), "report", "--config", str(config_file(tmp_path, results)),
+                           "--results", str(results), "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def tier(results: Path, name: str):
+    return {t.name: t for t in collect(fixture_config(results), results).tiers}[name]
+
+
+def failure_reasons(page: str) -> list[str]:
+    """The Reason cells of index.html's failures table, unescaped."""
+    import html
+
+    table = page.split('<table id="failures">', 1)[1].split("</table>", 1)[0]
+    return [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+            for cell in re.findall(r'<td class="message text"[^>]*>(.*?)</td>', table, re.S)]
+
+
+# ---- NaN and inf are invalid records ----------------------------------------------------------
+def _scores_field(scores: dict, where: str) -> tuple[dict, str, str]:
+    """(the dict holding the field, its key, its path as the error names it)."""
+    track = next(iter(scores["per_track"]))
+    if where == "overall":
+        return scores["overall"], "si_sdr", "overall/si_sdr"
+    if where == "per_stem":
+        return scores["per_stem"]["bass"], "sdr", "per_stem/bass/sdr"
+    return scores["per_track"][track]["vocals"], "sar", f"per_track/{track}/vocals/sar"
+
+
+@pytest.mark.parametrize("value, token", [(math.nan, "NaN"), (math.inf, "Infinity"), (-math.inf, "-Infinity")])
+@pytest.mark.parametrize("where", ["overall", "per_stem", "per_track"])
+def test_a_non_finite_score_makes_the_tier_an_invalid_record(tmp_path, value, token, where):
+    results = copy_results(tmp_path)
+    path = results / "eval" / "test_tiny" / "scores.json"
+    scores = json.loads(path.read_text())
+    holder, key, field = _scores_field(scores, where)
+    holder[key] = value
+    path.write_text(json.dumps(scores, indent=2))  # Python's json writes the token NaN / Infinity
+    assert f": {token}" in path.read_text()
+
+    found = tier(results, "test_tiny")
+    assert found.status == "invalid" and found.status_text == "invalid record"
+    assert found.problems == [f"{path}: {field}: {token} is not a finite number"]
+    assert found.scores is None  # never shown as a number nor as "no value"
+
+
+def test_a_nan_score_is_a_failure_row_and_the_report_still_renders(tmp_path):
+    results = copy_results(tmp_path)
+    path = results / "eval" / "test_tiny" / "scores.json"
+    scores = json.loads(path.read_text())
+    scores["overall"]["si_sdr_improvement"] = math.nan  # the headline number
+    path.write_text(json.dumps(scores))
+    out = tmp_path / "report"
+    proc = tiersep_report(tmp_path, results, out)
+    assert proc.returncode == 0, proc.stderr
+    page, md = (out / "index.html").read_text(), (out / "report.md").read_text()
+    assert f"{path}: overall/si_sdr_improvement: NaN is not a finite number" in failure_reasons(page)
+    assert re.search(r'<tr data-tier="test_tiny" data-status="invalid">.*?invalid record', page, re.S)
+    assert f"| {path}: overall/si_sdr_improvement: NaN is not a finite number |" in md
+    for text in (page, md):
+        assert "Every record could be read" not in text
+
+
+def test_every_record_kind_refuses_non_finite_numbers(tmp_path):
+    """The rule is the records module's, not the report's: run, estimate, failure and manifest
+    records too, at any depth (list indices are fields), and JSON's 1e999 overflows to inf."""
+    run_path = RESULTS / "train" / "test_tiny" / "run.json"
+    run = json.loads(run_path.read_text())
+    with pytest.raises(RecordError, match=rf"^{re.escape(str(run_path))}: lr: NaN is not a finite number$"):
+        validate_record("run", {**run, "lr": math.nan}, run_path)
+    estimate_path = RESULTS / "vram" / "large.json"
+    estimate = json.loads(estimate_path.read_text())
+    with pytest.raises(RecordError, match=r"large\.json: extra/2/x: -Infinity is not a finite number$"):
+        validate_record("estimate", {**estimate, "extra": [1, 2.5, {"x": -math.inf}]}, estimate_path)
+    written = tmp_path / "large.json"
+    written.write_text(estimate_path.read_text().replace('"peak_bytes": ', '"peak_bytes": 1e999, "was": ', 1))
+    with pytest.raises(RecordError, match=rf"^{re.escape(str(written))}: peak_bytes: Infinity is not a finite"):
+        read_record("estimate", written)
+    assert read_record("estimate", estimate_path)["peak_bytes"] > 0  # the real record passes
+
+
+def test_records_that_cannot_be_read_are_one_line(tmp_path):
+    """Binary, too deeply nested and over-long integers are invalid records, not tracebacks."""
+    path = tmp_path / "scores.json"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x00garbage")
+    with pytest.raises(RecordError, match=rf"^{re.escape(str(path))}: not valid JSON \(not UTF-8 text"):
+        read_record("scores", path)
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RecordError, match=rf"^{re.escape(str(path))}: not valid JSON"):
+        read_record("scores", path)
+    path.write_text('{"tracks": ' + "9" * 10_000 + "}")
+    with pytest.raises(RecordError, match=rf"^{re.escape(str(path))}: not valid JSON"):
+        read_record("scores", path)
