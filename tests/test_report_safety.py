@@ -146,3 +146,60 @@ def test_records_that_cannot_be_read_are_one_line(tmp_path):
     path.write_text('{"tracks": ' + "9" * 10_000 + "}")
     with pytest.raises(RecordError, match=rf"^{re.escape(str(path))}: not valid JSON"):
         read_record("scores", path)
+
+
+# ---- a damaged metrics.csv or memory.csv is an invalid record ---------------------------------
+GARBAGE = bytes(range(256)) * 8  # not UTF-8 (0x80 alone), NUL bytes too: what a binary file holds
+
+
+@pytest.mark.parametrize("log, content, problem", [
+    ("metrics", GARBAGE, r"not a CSV the trainer wrote \(not UTF-8 text: invalid start byte at byte 128\)"),
+    ("memory", GARBAGE, r"not a CSV the trainer wrote \(not UTF-8 text: invalid start byte at byte 128\)"),
+    # a crashed disk leaves a block of zeros after the last good line
+    ("metrics", None, r"not a CSV the trainer wrote \(NUL byte at offset \d+\)"),
+    ("memory", b"allocated,reserved,peak\n1,2,3\n", r"expected a CSV header with a 'step' column"),
+    ("metrics", b"step,time_s,loss\n1,0.1,0.5\nstep two,0.2,0.4\n", r"line 3: step 'step two' is not a finite number"),
+    ("memory", b"step,allocated,reserved,peak,device\nnan,1,2,3,\n", r"line 2: step 'nan' is not a finite number"),
+], ids=["binary-metrics", "binary-memory", "nul-metrics", "no-step-column", "text-step", "nan-step"])
+def test_a_damaged_training_log_makes_the_tier_an_invalid_record(tmp_path, log, content, problem):
+    results = copy_results(tmp_path)
+    path = results / "train" / "test_tiny" / f"{log}.csv"
+    path.write_bytes(content if content is not None else path.read_bytes() + b"\0" * 4096)
+    found = tier(results, "test_tiny")
+    assert found.status == "invalid" and found.status_text == "invalid record"
+    assert len(found.problems) == 1 and re.fullmatch(rf"{re.escape(str(path))}: {problem}", found.problems[0])
+    assert getattr(found, log) == []  # none of the file's rows is used
+
+
+def test_a_diverged_loss_is_still_a_row(tmp_path):
+    """'nan' in a value column is what the trainer logs for a diverged loss: not a damaged file."""
+    results = copy_results(tmp_path)
+    path = results / "train" / "test_tiny" / "metrics.csv"
+    lines = path.read_text().splitlines()
+    header = lines[0].split(",")
+    row = lines[1].split(",")
+    row[header.index("loss")] = "nan"
+    path.write_text("\n".join([lines[0], ",".join(row), *lines[2:]]) + "\n")
+    found = tier(results, "test_tiny")
+    assert found.problems == [] and found.status == "evaluated"
+    assert math.isnan(found.metrics[0]["loss"]) and len(found.metrics) == len(lines) - 1
+
+
+def test_damaged_logs_render_as_failure_rows(tmp_path):
+    """Before: a binary metrics.csv stopped the whole report with a UnicodeDecodeError."""
+    results = copy_results(tmp_path)
+    metrics = results / "train" / "test_tiny" / "metrics.csv"
+    metrics.write_bytes(GARBAGE)
+    memory = results / "train" / "test_tiny--batch_size1" / "memory.csv"
+    memory.write_bytes(memory.read_bytes()[:200] + b"\0" * 512)
+    out = tmp_path / "report"
+    proc = tiersep_report(tmp_path, results, out)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    page = (out / "index.html").read_text()
+    reasons = failure_reasons(page)
+    assert any(r.startswith(f"{metrics}: not a CSV the trainer wrote (not UTF-8") for r in reasons), reasons
+    assert any(r.startswith(f"{memory}: not a CSV the trainer wrote (NUL byte") for r in reasons), reasons
+    for name in ("test_tiny", "test_tiny--batch_size1"):
+        assert re.search(rf'<tr data-tier="{name}" data-status="invalid">', page)
+    assert (out / "report.md").is_file() and len(list(out.glob("*.png"))) == 6

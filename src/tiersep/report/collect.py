@@ -2,14 +2,16 @@
 
 Nothing here assumes a stage finished: every file is optional, and a tier with missing or failed
 results is still a row (status says why). Every JSON record is checked against its schema
-(tiersep.records: extra fields are fine); a file that exists but cannot be read or breaks its schema
-is left out and becomes a problem of its tier, shown on the page as a failure naming the file and
-the field: a corrupt result neither disappears silently nor stops the report.
+(tiersep.records: extra fields are fine, NaN and ±inf are not); a file that exists but cannot be
+read or breaks its schema is left out and becomes a problem of its tier, shown on the page as a
+failure naming the file and the field: a corrupt result neither disappears silently nor stops the
+report. The same holds for metrics.csv and memory.csv (read_csv).
 """
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import re
@@ -233,14 +235,38 @@ def _number(text: str | None) -> float | None:
 
 
 def read_csv(path: Path) -> list[dict]:
-    """Rows of a numeric CSV (metrics.csv, memory.csv) as {column: float | None}."""
+    """Rows of a numeric CSV (metrics.csv, memory.csv) as {column: float | None}.
+
+    A file the trainer cannot have written (not UTF-8 text, NUL bytes, no `step` column, a step
+    that is not a finite number) raises ReportInputError naming the file: one line for the
+    failures table, never a crash of the report. Other cells may be empty or 'nan' (a diverged
+    loss is logged as nan)."""
     if not path.is_file():
         return []
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ReportInputError(f"{path}: not a CSV the trainer wrote (not UTF-8 text: {err.reason} "
+                               f"at byte {err.start})") from None
+    except OSError as err:
+        raise ReportInputError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if "\x00" in text:  # csv accepts NUL since Python 3.11; a half-written block on a crashed disk
+        raise ReportInputError(f"{path}: not a CSV the trainer wrote (NUL byte at offset {text.index(chr(0))})")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows = []
+    try:
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise ReportInputError(f"{path}: expected a CSV header with a 'step' column")
-        return [{key: _number(value) for key, value in row.items() if key is not None} for row in reader]
+        for row in reader:
+            values = {key: _number(value) for key, value in row.items() if key is not None}
+            step = values["step"]
+            if step is None or not math.isfinite(step):
+                raise ReportInputError(f"{path}: line {reader.line_num}: step {row['step']!r} is not a "
+                                       "finite number")
+            rows.append(values)
+    except csv.Error as err:  # e.g. a field over csv's size limit
+        raise ReportInputError(f"{path}: line {reader.line_num}: not a CSV the trainer wrote ({err})") from None
+    return rows
 
 
 def _preset_for(name: str, kind: str, cfg: dict, run: dict | None) -> tuple[dict | None, str | None]:
@@ -255,7 +281,7 @@ def _preset_for(name: str, kind: str, cfg: dict, run: dict | None) -> tuple[dict
 
             return resolve_trial(name, cfg), None
         return C.load_preset(name, cfg), None
-    except (C.ConfigError, OSError) as err:
+    except (C.ConfigError, OSError, UnicodeDecodeError) as err:  # a binary preset is a bad preset
         return None, str(err)
 
 
