@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,31 @@ SCHEMA_DIRS = (resource_dir("schemas"), Path.cwd() / "workflow" / "schemas")
 
 
 class ConfigError(ValueError):
-    """A config or preset that does not validate; the message is one line for the user."""
+    """A config or preset that does not validate; the message is one line for the user.
+    Subclasses may set `exit_code` (the CLI exits with it; 2 when absent)."""
 
     def __init__(self, message: str, key_path: tuple = ()):
         super().__init__(message)
         self.key_path = key_path
+
+
+class DoesNotFit(ConfigError):
+    """Nothing the user asked for fits the memory budget (exit 3, as a refused train)."""
+
+    exit_code = 3
+
+
+# Bounds on what one YAML input may cost to read: configs and presets are a few KiB with no
+# aliases, so these only stop a mistaken or hostile file (a "billion laughs" alias bomb expands
+# to 9^9 nodes from 81 aliases, hence the cap on the expanded size as well as on the aliases).
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_ALIASES = 100
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 1_000_000   # after expanding aliases; 1 MiB of plain YAML holds at most ~0.5 M
+
+
+class YamlLimitError(yaml.YAMLError):
+    """A YAML input over one of the limits above; the message is one line."""
 
 
 def _schema_path(name: str) -> Path:
@@ -44,7 +66,55 @@ class YamlLoader(yaml.SafeLoader):
     PyYAML follows YAML 1.1, where a float needs a dot (1.0e-4), so `lr: 4e-3` or
     `--set train.lr=4e-3` were read as the string '4e-3'. Integers, booleans and null keep their
     meaning; a quoted '1e-4' stays a string.
+
+    Bounded: at most MAX_YAML_ALIASES aliases, MAX_YAML_DEPTH levels of nesting and
+    MAX_YAML_NODES nodes once aliases are expanded (YamlLimitError otherwise).
     """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise YamlLimitError(f"more than {MAX_YAML_ALIASES} YAML aliases")
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise YamlLimitError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        if self._aliases:   # without aliases the size is bounded by the text's
+            _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node, sizes: dict, open_: set) -> int:
+    """Nodes in `node` with every alias expanded (an alias is the anchored node object itself);
+    YamlLimitError when it passes MAX_YAML_NODES or an alias refers to a node that contains it."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise YamlLimitError("a YAML alias refers to a node that contains it (recursive)")
+    open_.add(key)
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, sizes, open_) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, sizes, open_) + _expanded_size(v, sizes, open_) for k, v in node.value)
+    open_.discard(key)
+    if size > MAX_YAML_NODES:
+        raise YamlLimitError(f"more than {MAX_YAML_NODES} YAML nodes once its aliases are expanded")
+    sizes[key] = size
+    return size
 
 
 # The YAML 1.2 core schema's float (https://yaml.org/spec/1.2.2/#1023-core-schema), tried after
@@ -56,7 +126,10 @@ YamlLoader.add_implicit_resolver(
 
 
 def load_yaml(text: str):
-    """Parse YAML text the way every tiersep input is read (configs, presets, --set, schemas)."""
+    """Parse YAML text the way every tiersep input is read (configs, presets, --set, schemas).
+    Raises yaml.YAMLError, YamlLimitError when over the limits above."""
+    if len(text) > MAX_YAML_BYTES:
+        raise YamlLimitError(f"longer than the limit of {MAX_YAML_BYTES} characters")
     return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
@@ -75,21 +148,57 @@ def _with_defaults(validator_class):
                     instance[key] = copy.deepcopy(sub["default"])
         yield from validate_properties(validator, properties, instance, schema)
 
-    return validators.extend(validator_class, {"properties": set_defaults})
+    # jsonschema's "integer" takes 16000.0 (and YAML 1.2 reads 1.6e4 as that float), which then
+    # fails deep in torch; tiersep's integers are ints (never bools).
+    integers_are_ints = validator_class.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
+    return validators.extend(validator_class, {"properties": set_defaults}, type_checker=integers_are_ints)
 
 
 _DefaultingValidator = _with_defaults(Draft202012Validator)
 
 
+def _where(path) -> str:
+    where = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in path)
+    return where.replace(".[", "[") or "(top level)"
+
+
+def _short(value: Any) -> str:
+    """repr of a value a user wrote, short enough for a one-line message (a key or a value may be
+    a whole file's line or content)."""
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = 40
+_SHORT_REPR.maxother = 40
+
+
+def _refuse_non_finite(node: Any, source: str | Path, path: tuple = ()) -> None:
+    """NaN and +-inf pass every jsonschema range check (NaN compares false with everything), and no
+    tiersep field means them: refuse them wherever they are."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{source}: {_where(path)}: {node} is not a finite number", path)
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _refuse_non_finite(value, source, path + (key,))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _refuse_non_finite(value, source, path + (i,))
+
+
 def _describe(error) -> str:
     """'key.sub[2]: <what is wrong> (allowed: ...)' for one jsonschema error."""
-    where = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in error.absolute_path)
-    where = where.replace(".[", "[") or "(top level)"
+    where = _where(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
-        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
-        return f"{where}: unknown key {', '.join(map(repr, extra))} (allowed keys: {', '.join(allowed)})"
+        extra = sorted((k for k in error.instance if k not in allowed), key=str) \
+            if isinstance(error.instance, dict) else []
+        # a file that is not a preset (any text file read as YAML) is all unknown keys: name a few
+        named = ", ".join(_short(k) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        return f"{where}: unknown key {named} (allowed keys: {', '.join(allowed)})"
     allowed = []
     for bound in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         if bound in schema:
@@ -99,7 +208,11 @@ def _describe(error) -> str:
     hint = f" (allowed: {'; '.join(allowed)})" if allowed and error.validator not in ("enum",) else ""
     if error.validator == "oneOf" and "description" in schema:
         hint = f" (allowed: {schema['description'].strip()})"
-    return f"{where}: {error.message}{hint}"
+    message = error.message
+    full = repr(error.instance)
+    if len(full) > 60 and full in message:   # jsonschema quotes the whole value
+        message = message.replace(full, _short(error.instance))
+    return f"{where}: {message}{hint}"
 
 
 def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
@@ -108,6 +221,7 @@ def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
         instance = {}
     if not isinstance(instance, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(instance).__name__}")
+    _refuse_non_finite(instance, source)
     validator = _DefaultingValidator(load_schema(schema_name))
     errors = sorted(validator.iter_errors(instance), key=lambda e: (len(e.path), list(map(str, e.path))))
     if errors:
@@ -116,10 +230,25 @@ def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
 
 
 def _read_yaml(path: Path) -> Any:
+    """A config or preset file's YAML; every way it can fail is a one-line ConfigError."""
     try:
-        return load_yaml(path.read_text())
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_YAML_BYTES + 1)   # bounded: /dev/zero or a data file named by mistake
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except OSError as err:   # a folder, no permission, ...
+        raise ConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: larger than the limit of {MAX_YAML_BYTES // 2**20} MiB for a "
+                          "config or preset file")
+    try:
+        return load_yaml(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a YAML text file ({err.reason} at byte {err.start})") from None
+    except yaml.reader.ReaderError as err:   # control characters: binary data that decoded
+        raise ConfigError(f"{path}: not a YAML text file ({err.reason} at byte {err.position})") from None
+    except YamlLimitError as err:
+        raise ConfigError(f"{path}: refused: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
 
@@ -200,9 +329,11 @@ SHIPPED_PRESETS = resource_dir("presets")
 def preset_path(name: str, cfg: dict | None = None) -> Path:
     """A preset name resolves to <presets_dir>/<name>.yaml, else to the shipped preset of that name
     (so a config with its own presets_dir can still list the seed tiers); a path to a .yaml file is
-    taken as is."""
-    if name.endswith((".yaml", ".yml")) or "/" in name:
+    taken as is, and any other path is refused (it would be read as YAML, its lines shown back)."""
+    if name.endswith((".yaml", ".yml")):
         return Path(name)
+    if "/" in name:
+        raise ConfigError(f"{name[:200]}: a preset given as a path must be a .yaml or .yml file")
     presets_dir = Path(cfg["presets_dir"]) if cfg else Path("config/presets")
     path = presets_dir / f"{name}.yaml"
     shipped = SHIPPED_PRESETS / f"{name}.yaml"
@@ -275,7 +406,7 @@ def configured_budget_bytes(cfg: dict, override_gib: float | None = None) -> int
     value = override_gib if override_gib is not None else cfg["budget_gib"]
     if value == "auto":
         return None
-    return int(float(value) * 2**30)
+    return max(1, int(float(value) * 2**30))   # a positive budget below one byte is one byte
 
 
 budget_bytes = configured_budget_bytes  # the name train/plan.py and report/collect.py call
