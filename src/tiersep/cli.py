@@ -7,8 +7,12 @@ failures to exit codes and one-line messages.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
+
+import yaml
 
 from tiersep import config as C
 
@@ -29,9 +33,49 @@ or a sweep trial name (see `sweep` in the config).
 
 def _parse_set(text: str) -> tuple[str, object]:
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {C._short(text)}")
     key, value = text.split("=", 1)
-    return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
+    try:
+        return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
+    except yaml.YAMLError as err:   # (NaN and inf are refused when the preset is validated)
+        raise argparse.ArgumentTypeError(f"{key}: not a YAML value ({str(err).splitlines()[0]})") from None
+
+
+def _schema_number(schema_name: str, dotted: str, kind):
+    """An argparse type for a CLI number (kind int or float) with the range the schema gives
+    `dotted`: the bounds are read from the schema (when the option is used), so the CLI and the
+    file accept the same values."""
+    def parse(text: str):
+        node = C.load_schema(schema_name)
+        for part in dotted.split("."):
+            node = node["properties"][part]
+        if "oneOf" in node:   # budget_gib: auto or a number
+            node = next(branch for branch in node["oneOf"] if branch.get("type") == "number")
+        low, high, above = node.get("minimum"), node.get("maximum"), node.get("exclusiveMinimum")
+        allowed = " and ".join(f"{sign} {bound:g}" for sign, bound in ((">", above), (">=", low), ("<=", high))
+                               if bound is not None)
+        what = "an integer" if kind is int else "a finite number"
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{C._short(text)} is not {what} ({allowed})") from None
+        if not math.isfinite(value) or (low is not None and value < low) or \
+                (high is not None and value > high) or (above is not None and value <= above):
+            raise argparse.ArgumentTypeError(f"{value} is out of range ({what} {allowed}, as {dotted} in "
+                                             f"{schema_name})")
+        return value
+
+    return parse
+
+
+def _attempt(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1 (Snakemake counts attempts from 1)")
+    return value
 
 
 def resolve_preset(name: str, cfg: dict, sets: list[tuple[str, object]] | None = None) -> dict:
@@ -56,7 +100,8 @@ def resolve_preset(name: str, cfg: dict, sets: list[tuple[str, object]] | None =
 def cmd_prepare(args, cfg):
     from tiersep.data.prepare import prepare
 
-    rate = args.sample_rate or C.load_preset(cfg["tiers"][0], cfg)["audio"]["sample_rate"]
+    rate = args.sample_rate if args.sample_rate is not None else \
+        C.load_preset(cfg["tiers"][0], cfg)["audio"]["sample_rate"]
     prepare(cfg, Path(args.out), rate)
     return 0
 
@@ -97,9 +142,17 @@ def cmd_estimate(args, cfg):
 
     preset = resolve_preset(args.preset, cfg, args.set)
     device = estimate_device(cfg, args.preset, preset, args.device)
+    method = args.method or cfg["estimate"]["method"]
+    if method == "measure" and device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            named = "--method measure" if args.method else f"{cfg.get('_source', 'config')}: estimate.method: measure"
+            raise C.ConfigError(f"{named} on device cuda needs a GPU, and torch sees none (use --method "
+                                "trace or analytic, which model cuda without one, or --device cpu)")
     record = estimate(
         preset,
-        method=args.method or cfg["estimate"]["method"],
+        method=method,
         device=device,
         budget_bytes=estimate_budget(cfg, device, args.budget),
         safety_margin=cfg["estimate"]["safety_margin"],
@@ -118,14 +171,18 @@ def cmd_estimate(args, cfg):
 def cmd_fit(args, cfg):
     from tiersep.io import write_text
     from tiersep.memory import fit
+    from tiersep.memory.fit import NothingFits
 
     preset = resolve_preset(args.preset, cfg, args.set)
     budget = C.budget_bytes(cfg, args.budget)
     if budget is None:
         raise C.ConfigError("--budget: no budget (auto found no GPU); give a number of GiB")
-    fitted, changes = fit(preset, budget, device=estimate_device(cfg, args.preset, preset, args.device),
-                          safety_margin=cfg["estimate"]["safety_margin"],
-                          calibration_spec=args.calibration or cfg["estimate"]["calibration"])
+    try:
+        fitted, changes = fit(preset, budget, device=estimate_device(cfg, args.preset, preset, args.device),
+                              safety_margin=cfg["estimate"]["safety_margin"],
+                              calibration_spec=args.calibration or cfg["estimate"]["calibration"])
+    except NothingFits as err:
+        raise C.DoesNotFit(str(err)) from None
     write_text(args.out, C.dump_preset(fitted))
     print(f"{preset['name']} -> {fitted['name']} under {budget / 2**30:.1f} GiB:")
     for change in changes or ["nothing to change: it already fits"]:
@@ -191,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare data, estimate peak VRAM, train, evaluate, report.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    budget_gib = _schema_number("config.schema.yaml", "budget_gib", float)
 
     def add(name, func, help_text):
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -208,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("prepare", cmd_prepare, "Ingest the configured source (synthetic or MUSDB18), validate it, "
             "resample it once and write the prepared folder with manifest.json.")
     p.add_argument("--out", required=True, help="prepared folder, e.g. data/prepared/synthetic/8000")
-    p.add_argument("--sample-rate", type=int, help="target rate (default: the first tier's audio.sample_rate)")
+    p.add_argument("--sample-rate", type=_schema_number("preset.schema.yaml", "audio.sample_rate", int),
+                   help="target rate in Hz (default: the first tier's audio.sample_rate)")
 
     p = add("estimate", cmd_estimate, "Estimate the peak memory of one training step of a preset and "
             "judge it against the budget; writes the results/vram JSON record.")
@@ -219,14 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "measure: real steps on the device present")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"],
                    help="device the estimate models (default from config estimate.device)")
-    p.add_argument("--budget", type=float, metavar="GIB", help="budget in GiB (default: config budget_gib)")
+    p.add_argument("--budget", type=budget_gib, metavar="GIB", help="budget in GiB (default: config budget_gib)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates: auto, "
                    "a built-in GPU name, or a `tiersep calibrate` JSON (default from config)")
 
     p = add("fit", cmd_fit, "Derive a variant of a preset that fits a memory budget (segment, micro-batch "
             "with accumulation, checkpointing, bf16) and write it as a preset YAML.")
     add_preset(p)
-    p.add_argument("--budget", type=float, required=True, metavar="GIB", help="budget in GiB")
+    p.add_argument("--budget", type=budget_gib, required=True, metavar="GIB", help="budget in GiB")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"],
                    help="device the estimate models (default from config estimate.device)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates "
@@ -246,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run folder, e.g. results/train/NAME")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt if present")
     p.add_argument("--estimate", help="results/vram JSON to gate on (default: estimate now)")
-    p.add_argument("--attempt", type=int, default=1, help="Snakemake attempt number; after an OOM, "
+    p.add_argument("--attempt", type=_attempt, default=1, help="Snakemake attempt number; after an OOM, "
                    "attempt 2+ halves the micro-batch and doubles accumulation")
     p.add_argument("--outcome", metavar="FILE", help="write the outcome (trained or refused) to FILE; a "
                    "refusal then exits 0 unless the config's on_oversize is fail (the workflow's checkpoint)")
@@ -271,7 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Arguments that name a file or folder tiersep reads (an OSError under one is the user's input).
+INPUT_ARGS = ("config", "preset", "model", "data", "estimate", "calibration", "results")
+
+
+def _names_an_input(err: OSError, args) -> bool:
+    """Whether `err` is about a path the user gave as an input, or one inside such a folder."""
+    if not isinstance(err.filename, (str, bytes, os.PathLike)) or not err.filename:
+        return False
+    failed = os.path.abspath(os.fsdecode(err.filename))
+    for name in INPUT_ARGS:
+        given = getattr(args, name, None)
+        if isinstance(given, str) and given:
+            given = os.path.abspath(given)
+            if failed == given or failed.startswith(given.rstrip(os.sep) + os.sep):
+                return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 bad input (one line naming the file, field or option); 3 does not fit
+    the budget (fit, or a refused train); train's own codes (4, 75) and subclasses' `exit_code`
+    (5: the output folder is busy); 130 interrupted. Anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
         if args.config == DEFAULT_CONFIG and not Path(DEFAULT_CONFIG).is_file():
@@ -280,9 +360,17 @@ def main(argv: list[str] | None = None) -> int:
             cfg = C.load_config(args.config) if args.config else None
         return args.func(args, cfg) or 0
     except C.ConfigError as err:
-        print(f"tiersep {args.command}: error: {err}", file=sys.stderr)
+        message = str(err).replace("\n", "\\n")   # one line, whatever a path or value holds
+        print(f"tiersep {args.command}: error: {message}", file=sys.stderr)
+        return getattr(err, "exit_code", 2)
+    except OSError as err:
+        if not _names_an_input(err, args):
+            raise
+        print(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
+              f"({err.strerror or err})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"tiersep {args.command}: interrupted", file=sys.stderr)
         return 130
 
 
