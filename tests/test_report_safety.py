@@ -203,3 +203,123 @@ def test_damaged_logs_render_as_failure_rows(tmp_path):
     for name in ("test_tiny", "test_tiny--batch_size1"):
         assert re.search(rf'<tr data-tier="{name}" data-status="invalid">', page)
     assert (out / "report.md").is_file() and len(list(out.glob("*.png"))) == 6
+
+
+# ---- no raw HTML from names and messages ------------------------------------------------------
+RAW_TAG = re.compile(r"<\s*/?\s*(script|img|b|i)\b", re.I)
+
+
+def test_names_and_messages_carry_no_html_into_either_page(tmp_path):
+    """Folder names are any text but '/', so a found tier may be named like a tag; a track name
+    and a failure message are any text of a record. report.md and index.html show them as text."""
+    base = tmp_path / "a<i>b"  # the results folder's path is on the page too (subtitle, facts)
+    base.mkdir()
+    results = copy_results(base)
+    bold, script, dollar, pipe = "<b>found", "<script>alert(1)", "a$\\frac$b", "x|y"
+    for name in (bold, dollar, pipe):
+        shutil.copytree(results / "train" / "test_tiny", results / "train" / name)
+    shutil.copytree(results / "train" / "test_tiny--batch_size4", results / "train" / script)
+    failure = results / "train" / script / "failure.json"
+    failure.write_text(json.dumps({**json.loads(failure.read_text()),
+                                   "message": "<script>alert(2)</script> & more"}))
+    scores = json.loads((results / "eval" / "test_tiny" / "scores.json").read_text())
+    first = next(iter(scores["per_track"]))
+    scores["per_track"] = {("<img src=x onerror=alert(3)>" if track == first else track): entry
+                           for track, entry in scores["per_track"].items()}
+    (results / "eval" / bold).mkdir()
+    (results / "eval" / bold / "scores.json").write_text(json.dumps({**scores, "preset": bold}))
+
+    out = base / "report"
+    proc = tiersep_report(base, results, out)
+    assert proc.returncode == 0, proc.stderr
+    page, md = (out / "index.html").read_text(), (out / "report.md").read_text()
+
+    assert not RAW_TAG.search(md), RAW_TAG.search(md)
+    for text in ("&lt;b>found", "&lt;img src=x onerror=alert(3)>", "&lt;script>alert(2)&lt;/script> &amp; more",
+                 "&lt;script>alert(1)", "a&lt;i>b/results"):
+        assert text in md, text
+    assert "x\\|y" in md and "a$\\frac$b" in md
+
+    assert not re.search(r"<\s*/?\s*(script|b|i)\b", page, re.I)
+    assert all(tag.startswith('<img src="data:image/png;base64,') for tag in re.findall(r"<img\b[^>]*>", page))
+    for text in ("&lt;b&gt;found", "&lt;img src=x onerror=alert(3)&gt;", "&lt;script&gt;alert(2)&lt;/script&gt; &amp; more",
+                 "a&lt;i&gt;b/results"):
+        assert text in page, text
+    assert len(list(out.glob("*.png"))) == 6  # a '$' in a tier name is not mathtext to the plots
+
+    # the Markdown tables are intact: every row has its header's number of cells
+    table: list[int] = []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            table.append(len(re.findall(r"(?<!\\)\|", line)))
+        elif table:
+            assert len(set(table)) == 1, table
+            table = []
+
+
+# ---- the report's output folder is its own ----------------------------------------------------
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"" for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("where", ["Documents", "results", "."])
+def test_report_refuses_a_folder_holding_other_files(tmp_path, where):
+    """`--out ~/Documents` by mistake: refused with one line, nothing written anywhere."""
+    results = copy_results(tmp_path)
+    documents = tmp_path / "Documents"
+    (documents / "thesis").mkdir(parents=True)
+    (documents / "thesis" / "main.tex").write_text("\\documentclass{article}\n")
+    (documents / "notes.txt").write_text("mine\n")
+    config_file(tmp_path, results)
+    before = listing(tmp_path)
+    proc = tiersep_report(tmp_path, results, Path(where))  # relative to the working directory, tmp_path
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc.stderr)
+    assert line.startswith(f"tiersep report: error: --out {where}: ")
+    assert {"Documents": "'notes.txt', 'thesis'", "results": "'eval', 'train'",
+            ".": "it is the working directory"}[where] in line
+    assert listing(tmp_path) == before  # no stamp, no lock file, no index.html: nothing
+    assert "wrote" not in proc.stdout
+
+
+def test_report_adopts_an_earlier_report_folder(tmp_path):
+    """A results/report written before stamps holds only the report's own files: it is the
+    report's, and is rendered over."""
+    from tiersep.outputs import STAMP, read_stamp
+    from tiersep.report import output_files
+
+    results = copy_results(tmp_path)
+    out = results / "report"
+    out.mkdir()
+    for path in output_files(out):
+        path.write_bytes(b"from an earlier report\n")
+    proc = tiersep_report(tmp_path, results, out)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "index.html").read_text().startswith("<!DOCTYPE html>")
+    assert all(path.read_bytes() != b"from an earlier report\n" for path in output_files(out))
+    assert read_stamp(out)["stage"] == "report"
+    assert sorted(p.name for p in out.iterdir()) == sorted([STAMP] + [p.name for p in output_files(out)])
+
+
+def test_a_second_report_writer_stops_at_once(tmp_path):
+    """Another process holds the folder's lock: exit 5 naming it, and the folder is not written;
+    once the holder is done the report renders."""
+    from tiersep.outputs import exclusive
+
+    results = copy_results(tmp_path)
+    out = tmp_path / "report"
+    with exclusive(out):
+        proc = tiersep_report(tmp_path, results, out)
+    assert proc.returncode == 5, proc.stderr
+    line = one_line(proc.stderr)
+    assert line.startswith(f"tiersep report: error: --out {out}: in use by pid {os.getpid()} on ")
+    assert not (out / "index.html").exists() and not list(out.glob("*.png"))
+    proc = tiersep_report(tmp_path, results, out)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "index.html").is_file()

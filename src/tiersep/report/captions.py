@@ -2,6 +2,7 @@
 into an HTML fragment for the page and plain Markdown text for report.md."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from docutils import nodes
@@ -17,12 +18,25 @@ def caption_html(rst: str) -> str:
     return publish_parts(rst, writer="html5", settings_overrides=SETTINGS)["body"].strip()
 
 
+def _escape(text: str) -> str:
+    """Caption text as Markdown text, never HTML (as tiersep.report.render.md_escape)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+def _code_span(text: str) -> str:
+    """`text` as a Markdown code span (its content is shown as is, HTML included, never rendered)."""
+    if "`" not in text:
+        return f"`{text}`"
+    fence = "`" * (max(len(run) for run in re.findall("`+", text)) + 1)  # longer than any run inside
+    return f"{fence} {text} {fence}"
+
+
 def _inline_markdown(node: nodes.Node) -> str:
     if isinstance(node, nodes.Text):
-        return str(node).replace("\n", " ")
+        return _escape(str(node).replace("\n", " "))
     inner = "".join(_inline_markdown(child) for child in node.children)
     if isinstance(node, nodes.literal):
-        return f"`{node.astext()}`"
+        return _code_span(node.astext())
     if isinstance(node, nodes.strong):
         return f"**{inner}**"
     if isinstance(node, nodes.emphasis):
@@ -36,11 +50,12 @@ def _block_markdown(node: nodes.Node) -> str:
                          for item in node.children)
     if isinstance(node, nodes.paragraph):
         return _inline_markdown(node)
-    return " ".join(_block_markdown(child) for child in node.children) if node.children else node.astext()
+    return " ".join(_block_markdown(child) for child in node.children) if node.children else _escape(node.astext())
 
 
 def caption_markdown(rst: str) -> str:
-    """The caption as Markdown: paragraphs, '- ' lists, `code`, *emphasis*, **strong**."""
+    """The caption as Markdown: paragraphs, '- ' lists, `code`, *emphasis*, **strong**; text
+    HTML-escaped (render marks this as done, and report.md escapes every other text)."""
     doctree = publish_doctree(rst, settings_overrides=SETTINGS)
     return "\n\n".join(_block_markdown(node) for node in doctree.children).strip()
 

@@ -24,7 +24,10 @@ PLOTS = (
     ("stem_si_sdr", "SI-SDR per stem over the test tracks"),
 )
 DPI = 100
-STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": DPI}
+# text.parse_math off: tier names are folder names, and one holding '$' (e.g. 'a$\frac$b') is
+# mathtext to matplotlib, which fails to parse it and would stop the whole report.
+STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3, "figure.dpi": DPI,
+         "text.parse_math": False}
 BREAKDOWN_COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#bab0ac")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from markupsafe import Markup
+
 from tiersep import config as C
 from tiersep import io
 from tiersep.resources import resource_dir
@@ -48,9 +50,23 @@ def output_files(out_dir: str | Path) -> list[Path]:
 
 
 # ---- templates -------------------------------------------------------------------------------------
-def _md_cell(value) -> str:
-    """A Markdown table cell: pipes escaped, on one line, no soft hyphens (HTML line breaks)."""
-    return str(value).replace("|", "\\|").replace("\n", " ").replace("\u00ad", "")
+def md_escape(text: str) -> str:
+    """Text as Markdown text, never HTML: a Markdown viewer renders raw HTML, and a tier, track or
+    file name is text. `<` opens every tag, comment and declaration, so it is escaped, and `&` so an
+    entity in a name shows as written. A lone `>` opens nothing: it stays, so a message such as
+    "micro-batch 2 > 0" reads as the trainer wrote it."""
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+def _md_text(value) -> Markup:
+    """Any text report.md interpolates (jinja's finalize): escaped once; Markup is already done."""
+    return value if isinstance(value, Markup) else Markup(md_escape(str(value)))
+
+
+def _md_cell(value) -> Markup:
+    """A Markdown table cell: HTML escaped, pipes escaped, on one line, no soft hyphens (HTML line
+    breaks)."""
+    return _md_text(str(value).replace("|", "\\|").replace("\n", " ").replace("\u00ad", ""))
 
 
 def environment():
@@ -63,13 +79,21 @@ def environment():
     return env
 
 
+def markdown_environment():
+    """report.md's environment: every {{ }} passes through _md_text (jinja's finalize), so no
+    interpolation can carry raw HTML; the `md` filter makes table cells."""
+    env = environment()
+    env.finalize = _md_text
+    return env
+
+
 def figures(pngs: dict[str, bytes], captions: dict[str, str]):
     from tiersep.report.captions import caption_html, caption_markdown
     from tiersep.report.page import Figure
 
     return [Figure(stem, title, base64.b64encode(pngs[stem]).decode("ascii"),
                    caption_html(captions[stem]) if stem in captions else "",
-                   caption_markdown(captions[stem]) if stem in captions else "")
+                   Markup(caption_markdown(captions[stem])) if stem in captions else "")
             for stem, title in PLOTS]
 
 
@@ -78,25 +102,30 @@ def render_pages(collected: Collected, pngs: dict[str, bytes], captions: dict[st
     from tiersep.report.page import build_page
 
     page = build_page(collected, figures(pngs, captions))
-    env = environment()
-    markdown = env.get_template("report.md.j2").render(page=page)
+    markdown = markdown_environment().get_template("report.md.j2").render(page=page)
     while "\n\n\n" in markdown:  # template blocks leave blank lines; Markdown needs one
         markdown = markdown.replace("\n\n\n", "\n\n")
-    return env.get_template("index.html.j2").render(page=page), markdown.strip() + "\n"
+    return environment().get_template("index.html.j2").render(page=page), markdown.strip() + "\n"
 
 
 def render(cfg: dict, results_dir: str | Path, out_dir: str | Path) -> None:
-    """Write out_dir/index.html, out_dir/report.md and the plots (PNG) from whatever results exist."""
+    """Write out_dir/index.html, out_dir/report.md and the plots (PNG) from whatever results exist.
+
+    out_dir is the report's own folder (tiersep.outputs): new, empty, stamped by an earlier report,
+    or holding nothing but the report's files; anything else is refused (OutputRefused) before a
+    file is written. One report writes into it at a time (OutputBusy)."""
+    from tiersep.outputs import claim, exclusive, only_names
     from tiersep.report.captions import read_captions
     from tiersep.report.page import budget_bytes
     from tiersep.report.plots import make_plots  # matplotlib only when rendering
 
-    out_dir = Path(out_dir)
-    collected = collect(cfg, results_dir)
-    pngs = make_plots(collected.tiers, budget_bytes(collected))
-    page, markdown = render_pages(collected, pngs, read_captions(caption_dir(), [stem for stem, _ in PLOTS]))
-    for stem, data in pngs.items():  # PNGs first: report.md never points at a missing picture
-        with io.atomic_path(out_dir / f"{stem}.png") as tmp:
-            tmp.write_bytes(data)
-    io.write_text(out_dir / "report.md", markdown)
-    io.write_text(out_dir / "index.html", page)
+    out_dir = claim(Path(out_dir), "report", known=only_names({p.name for p in output_files(out_dir)}))
+    with exclusive(out_dir):
+        collected = collect(cfg, results_dir)
+        pngs = make_plots(collected.tiers, budget_bytes(collected))
+        page, markdown = render_pages(collected, pngs, read_captions(caption_dir(), [stem for stem, _ in PLOTS]))
+        for stem, data in pngs.items():  # PNGs first: report.md never points at a missing picture
+            with io.atomic_path(out_dir / f"{stem}.png") as tmp:
+                tmp.write_bytes(data)
+        io.write_text(out_dir / "report.md", markdown)
+        io.write_text(out_dir / "index.html", page)
