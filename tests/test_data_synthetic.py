@@ -14,6 +14,7 @@ from museval.metrics import Framing, _any_source_silent
 
 from data_helpers import TINY, make_cfg
 from tiersep.data import synthetic
+from tiersep.data.errors import DataError
 from tiersep.data.prepare import resample
 
 STEMS = ("drums", "bass", "other", "vocals")
@@ -217,7 +218,8 @@ def _spectral_flatness(x, frame=512):
 
 def test_publish_never_replaces_a_complete_folder(tmp_path):
     """Two jobs generating the same set at once: the second keeps the first's folder (which the
-    first may be reading) instead of deleting it; a stale, incomplete folder is replaced."""
+    first may be reading) instead of deleting it; a stale folder of the generator's (its marker,
+    other settings) is replaced; a folder without the marker is a user's and is refused, untouched."""
     final, staging = tmp_path / "final", tmp_path / "staging"
     for folder, text in ((final, "first"), (staging, "second")):
         folder.mkdir()
@@ -226,5 +228,10 @@ def test_publish_never_replaces_a_complete_folder(tmp_path):
     assert (final / "marker").read_text() == "first"
     (final / "marker").unlink()
     (final / "partial").write_text("")
+    with pytest.raises(DataError, match=r"final: holds files tiersep did not make \('partial'; no "
+                                        r"tiersep_synthetic.json\); tiersep never removes them"):
+        synthetic.publish_dir(staging, final, lambda p: (p / "marker").is_file())
+    assert sorted(p.name for p in final.iterdir()) == ["partial"] and (staging / "marker").is_file()
+    (final / synthetic.MARKER).write_text('{"settings": {"seed": -1}}')
     synthetic.publish_dir(staging, final, lambda p: (p / "marker").is_file())
     assert (final / "marker").read_text() == "second" and not staging.exists()

@@ -21,21 +21,28 @@ Where it lives: `<data.prepared_dir>/../raw/synthetic-<key>/`, key = hash of the
 settings (seed, rate, sizes, generator version). The folder is built under a temporary name and
 renamed (as tiersep.io.atomic_dir does, but never replacing a complete folder that a parallel job
 may be reading), and reused by later runs whose settings match (its `tiersep_synthetic.json`).
+One generator at a time per folder (a waiting `tiersep.outputs` lock beside it, whose holder first
+removes the temporaries a killed generator left); a folder there without the marker is a user's
+and is never removed.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
+from tiersep.data.errors import DataError
 from tiersep.data.tracks import BASE_STEMS
 from tiersep.io import read_json, write_json
 
@@ -104,25 +111,69 @@ def ensure_synthetic(cfg: dict, progress: bool = True) -> tuple[Path, dict]:
     if info is not None and info.get("settings") == settings:
         return root, info
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
-    try:
-        info = generate(tmp, settings, progress=progress)
-        publish_dir(tmp, root, lambda folder: (read_marker(folder) or {}).get("settings") == settings)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # One generator per folder: parallel prepares at two rates share it, and the lock's holder
+    # removes the temporaries a killed generator left (`.synthetic-<key>.XXXXXXXX.tmp`).
+    with waiting_lock(root, "data.synthetic"):
+        info = read_marker(root)  # made by the process we waited for
+        if info is not None and info.get("settings") == settings:
+            return root, info
+        refuse_foreign(root)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
+        try:
+            info = generate(tmp, settings, progress=progress)
+            publish_dir(tmp, root, lambda folder: (read_marker(folder) or {}).get("settings") == settings)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return root, read_marker(root)
+
+
+@contextlib.contextmanager
+def waiting_lock(folder: Path, option: str, poll_s: float = 0.5) -> Iterator[None]:
+    """tiersep.outputs.exclusive(folder), waiting for a live holder instead of stopping: a second
+    prepare needs the set the first is generating. The kernel drops a dead holder's lock, so the
+    wait ends when the holder finishes or dies."""
+    from tiersep.outputs import OutputBusy, exclusive
+
+    announced = False
+    while True:
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(exclusive(folder, option))
+        except OutputBusy as busy:
+            if not announced:
+                print(f"waiting: {busy}", file=sys.stderr)
+                announced = True
+            time.sleep(poll_s)
+            continue
+        with stack:
+            yield
+        return
+
+
+def refuse_foreign(final: Path) -> None:
+    """A non-empty folder at `final` without the generator's marker is not tiersep's: never remove it."""
+    if final.is_dir() and read_marker(final) is None and any(final.iterdir()):
+        names = sorted(p.name for p in final.iterdir())
+        raise DataError(f"{final}: holds files tiersep did not make ({', '.join(map(repr, names[:3]))}"
+                        f"{', ...' if len(names) > 3 else ''}; no {MARKER}); tiersep never removes them: "
+                        "move them away or change data.prepared_dir")
+    if final.exists() and not final.is_dir():
+        raise DataError(f"{final}: is a file, not the generated folder; move it away or change data.prepared_dir")
 
 
 def publish_dir(staging: Path, final: Path, is_complete) -> None:
     """Rename a finished folder into place, unless another process (e.g. a parallel `prepare` at
     another rate) already put a complete one there: that one is kept, never deleted under its
-    readers. `staging` must be on the same filesystem as `final`."""
+    readers. An incomplete folder there is replaced only when it carries the generator's marker
+    (it is tiersep's); anything else is refused. `staging` must be on the same filesystem as `final`."""
     try:
         os.rename(staging, final)  # fails when `final` exists and is not empty
     except OSError:
         if is_complete(final):
             return
-        shutil.rmtree(final, ignore_errors=True)  # a stale or broken folder nobody can be using
+        refuse_foreign(final)
+        if final.exists():
+            shutil.rmtree(final)  # tiersep's own stale folder (its marker says so), or an empty one
         os.rename(staging, final)
 
 
