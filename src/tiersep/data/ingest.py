@@ -14,6 +14,7 @@ prepare resamples each track once from its own rate. Only the files of one track
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -27,7 +28,7 @@ import numpy as np
 import soundfile as sf
 
 from tiersep.data.errors import DataError
-from tiersep.data.synthetic import ensure_synthetic, generator_settings, publish_dir, raw_root
+from tiersep.data.synthetic import ensure_synthetic, generator_settings, publish_dir, raw_root, waiting_lock
 from tiersep.data.tracks import BASE_STEMS
 
 STEM_FILES = ("mixture", *BASE_STEMS)  # MUSDB files; stem index in .stem.mp4
@@ -124,21 +125,66 @@ def open_source(cfg: dict, progress: bool = True) -> Source:
 
 
 def root_fingerprint(root: Path, is_wav: bool) -> str:
-    """A cheap identity of a user's dataset folder: every track file's relative path and size."""
+    """A cheap identity of a user's dataset folder: every track file's relative path and size. A
+    broken or looping symlink is recorded as such (not followed): the track check reports it."""
     if not root.is_dir():
         raise DataError(f"data.root: {root} does not exist or is not a folder")
     entries = []
-    for subset in ("train", "test"):
-        folder = root / subset
-        if not folder.is_dir():
-            continue
-        for track in sorted(os.scandir(folder), key=lambda e: e.name):
-            if is_wav and track.is_dir():
-                for f in sorted(os.scandir(track.path), key=lambda e: e.name):
-                    entries.append(f"{subset}/{track.name}/{f.name}:{f.stat().st_size}")
-            elif not is_wav and track.name.endswith(".stem.mp4"):
-                entries.append(f"{subset}/{track.name}:{track.stat().st_size}")
+    try:
+        for subset in ("train", "test"):
+            folder = root / subset
+            if not folder.is_dir():
+                continue
+            for track in sorted(os.scandir(folder), key=lambda e: e.name):
+                if is_wav and _entry_is_dir(track):
+                    try:
+                        files = sorted(os.scandir(track.path), key=lambda e: e.name)
+                    except PermissionError:  # one unreadable track: check_wav_track reports it
+                        entries.append(f"{subset}/{track.name}:unreadable")
+                        continue
+                    for f in files:
+                        entries.append(f"{subset}/{track.name}/{f.name}:{_entry_size(f)}")
+                elif not is_wav and track.name.endswith(".stem.mp4"):
+                    entries.append(f"{subset}/{track.name}:{_entry_size(track)}")
+    except OSError as err:  # an unreadable folder: one line, not a traceback
+        raise DataError(f"data.root: cannot read {err.filename or root} ({err.strerror or err})") from None
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
+def _entry_is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a symlink loop (ELOOP): not a track folder
+        return False
+
+
+def _entry_size(entry: os.DirEntry) -> int | str:
+    try:
+        return entry.stat().st_size
+    except OSError:
+        if entry.is_symlink():
+            return "broken-link"  # dangling or looping; check_wav_track / check_stem_track name it
+        raise
+
+
+def broken_link(path: Path) -> str | None:
+    """Why `path` is a symlink that leads nowhere ("a broken symlink to X", "a symlink loop"), or None."""
+    try:
+        if not path.is_symlink():
+            return None
+    except OSError:  # an unreadable folder: the caller's next look says so
+        return None
+    try:
+        os.stat(path)
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "a symlink loop (it leads back to itself)"
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a broken symlink (to {target}: {err.strerror or err})"
 
 
 def ensure_musdb_sample(cfg: dict) -> Path:
@@ -166,12 +212,14 @@ def ensure_musdb_sample(cfg: dict) -> Path:
                             ) from None
         socket.setdefaulttimeout(previous_timeout)
         root.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".musdb-sample.", suffix=".tmp", dir=root.parent))
-        try:
-            shutil.move(str(tmp), str(staging / "set"))  # a copy when the temp dir is another filesystem
-            publish_dir(staging / "set", root, lambda p: (p / "train").is_dir() and (p / "test").is_dir())
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        # under the folder's lock, whose holder removes the staging folders a killed run left
+        with waiting_lock(root, "data.source musdb-sample"):
+            staging = Path(tempfile.mkdtemp(prefix=".musdb-sample.", suffix=".tmp", dir=root.parent))
+            try:
+                shutil.move(str(tmp), str(staging / "set"))  # a copy when the temp dir is another filesystem
+                publish_dir(staging / "set", root, lambda p: (p / "train").is_dir() and (p / "test").is_dir())
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return root
     finally:
         socket.setdefaulttimeout(previous_timeout)
@@ -187,7 +235,7 @@ def candidates(root: Path, subset: str, is_wav: bool) -> list[tuple[str, Path]]:
     if is_wav:
         return [(p.name, p) for p in sorted(folder.iterdir()) if p.is_dir()]
     return [(p.name[: -len(".stem.mp4")], p) for p in sorted(folder.iterdir())
-            if p.name.endswith(".stem.mp4") and p.is_file()]
+            if p.name.endswith(".stem.mp4") and (p.is_file() or p.is_symlink())]
 
 
 def check_wav_track(name: str, folder: Path, expected_rate: int | None, source: str) -> tuple[int, int]:
@@ -195,7 +243,14 @@ def check_wav_track(name: str, folder: Path, expected_rate: int | None, source: 
     infos = {}
     for stem in STEM_FILES:
         path = folder / f"{stem}.wav"
-        if not path.is_file():
+        link = broken_link(path)
+        if link:
+            raise TrackProblem(f"track {name!r}: stem file {path} is {link}")
+        try:
+            present = path.is_file()
+        except OSError as err:  # an unreadable track folder
+            raise TrackProblem(f"track {name!r}: cannot read {path} ({err.strerror or err})") from None
+        if not present:
             raise TrackProblem(f"track {name!r}: missing stem file {path}")
         try:
             infos[stem] = sf.info(str(path))
@@ -209,6 +264,9 @@ def check_stem_track(name: str, path: Path, expected_rate: int | None, source: s
     """ffprobe checks of one MUSDB18 .stem.mp4 (5 streams: mixture, drums, bass, other, vocals)."""
     import stempeg
 
+    link = broken_link(path)
+    if link:
+        raise TrackProblem(f"track {name!r}: {path} is {link}")
     try:
         info = stempeg.Info(str(path))
     except Exception as err:
@@ -254,7 +312,10 @@ def scan(source: Source, valid_names: list[str] | None, skip_invalid: bool) -> N
         raise DataError(f"data.root: {root} does not exist or is not a folder")
     layout = ("<subset>/<Artist - Title>/{mixture,drums,bass,other,vocals}.wav" if is_wav
               else "<subset>/<Artist - Title>.stem.mp4")
-    found = {subset: candidates(root, subset, is_wav) for subset in ("train", "test")}
+    try:
+        found = {subset: candidates(root, subset, is_wav) for subset in ("train", "test")}
+    except OSError as err:  # an unreadable subset folder
+        raise DataError(f"data.root: cannot read {err.filename or root} ({err.strerror or err})") from None
     if not any(found.values()):
         hint = ""
         if is_wav and any(candidates(root, s, False) for s in ("train", "test")):
