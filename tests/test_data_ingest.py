@@ -227,3 +227,24 @@ def test_prepared_folder_outlives_its_source(layout, capsys):
     manifest = prepare(cfg, out_of(cfg), 8000, progress=False)
     assert "rebuilding (prepared for other settings (fingerprint changed))" in capsys.readouterr().out
     assert extra.name in manifest["splits"]["train"]
+
+
+def test_fingerprint_and_checks_survive_broken_links(tmp_path):
+    """Dangling and looping symlinks (a .stem.mp4, a track folder) are recorded, not followed: no
+    FileNotFoundError or ELOOP; the track check names the file and why."""
+    train = tmp_path / "musdb" / "train"
+    train.mkdir(parents=True)
+    (train / "A - Loop.stem.mp4").symlink_to("A - Loop.stem.mp4")
+    (train / "B - Gone.stem.mp4").symlink_to(tmp_path / "gone.stem.mp4")
+    (train / "C - Loop Folder").symlink_to("C - Loop Folder")
+    root = train.parent
+    before = {is_wav: ingest.root_fingerprint(root, is_wav) for is_wav in (True, False)}
+    assert [name for name, _ in ingest.candidates(root, "train", False)] == ["A - Loop", "B - Gone"]
+    with pytest.raises(ingest.TrackProblem, match=r"track 'A - Loop': \S*A - Loop\.stem\.mp4 is a symlink loop"):
+        ingest.check_stem_track("A - Loop", train / "A - Loop.stem.mp4", None, "musdb18")
+    with pytest.raises(ingest.TrackProblem, match=r"B - Gone\.stem\.mp4 is a broken symlink \(to \S*gone\.stem\.mp4: "
+                                                  r"No such file or directory\)"):
+        ingest.check_stem_track("B - Gone", train / "B - Gone.stem.mp4", None, "musdb18")
+    (tmp_path / "gone.stem.mp4").write_bytes(b"\0" * 10)  # the link works again: another root
+    assert ingest.root_fingerprint(root, False) != before[False]
+    assert ingest.root_fingerprint(root, True) == before[True]  # no track folders either way
