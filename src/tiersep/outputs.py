@@ -97,31 +97,38 @@ def user_entries(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.name != STAMP and not is_temp_name(e.name))
 
 
-def claim(folder: str | Path, stage: str, option: str = "--out", known: Callable[[Path], bool] | None = None) -> Path:
-    """Make `folder` this stage's output folder, or refuse (OutputRefused, one line).
-
-    Taken: a new or empty folder, one stamped by this stage, or one that `known(folder)` recognises
-    as this stage's output from before stamps. The folder then carries the stamp."""
+def check(folder: str | Path, stage: str, option: str = "--out", known: Callable[[Path], bool] | None = None) -> None:
+    """Refuse (OutputRefused, one line) unless `folder` may become or is this stage's output folder:
+    new, empty, stamped by this stage, or recognised by `known(folder)` as this stage's output from
+    before stamps. Creates nothing (claim() does)."""
     folder = Path(folder)
     why = forbidden(folder)
     if why:
         raise OutputRefused(f"{option} {folder}: refused, {why}; give a folder of its own, e.g. a new one")
     if folder.exists() and not folder.is_dir():
         raise OutputRefused(f"{option} {folder}: is a file, not a folder")
-    stamp = read_stamp(folder) if folder.is_dir() else None
+    if not folder.is_dir():
+        return
+    stamp = read_stamp(folder)
     if stamp is not None:
         if stamp["stage"] != stage:
             raise OutputRefused(f"{option} {folder}: is a tiersep {stamp['stage']} folder, not a {stage} "
                                 "folder; give another folder")
-        return folder
-    if folder.is_dir():
-        names = user_entries(folder)
-        if names and not (known and known(folder)):
-            shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise OutputRefused(f"{option} {folder}: holds files tiersep did not make ({shown}); tiersep "
-                                "never writes over them: give a new or empty folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    write_stamp(folder, stage)
+        return
+    names = user_entries(folder)
+    if names and not (known and known(folder)):
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise OutputRefused(f"{option} {folder}: holds files tiersep did not make ({shown}); tiersep "
+                            "never writes over them: give a new or empty folder")
+
+
+def claim(folder: str | Path, stage: str, option: str = "--out", known: Callable[[Path], bool] | None = None) -> Path:
+    """check() `folder`, then make it this stage's output folder: created if new, and stamped."""
+    folder = Path(folder)
+    check(folder, stage, option, known)
+    if read_stamp(folder) is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_stamp(folder, stage)
     return folder
 
 
@@ -196,22 +203,38 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     return removed
 
 
-def move_aside(folder: str | Path, reason: str) -> Path | None:
-    """Move everything of a run in `folder` (all but the stamp, temporaries and earlier moved runs)
-    into folder/previous/<time>/, with a note of why; returns that folder (None: nothing to move)."""
+def move_aside(folder: str | Path, reason: str, names: tuple[str, ...] | None = None,
+               link: bool = False) -> Path | None:
+    """Move a run's files out of the way into folder/previous/<time>/, with a note of why; returns
+    that folder (None: nothing to move). names: only these (default: everything but the stamp,
+    temporaries and earlier moved runs). link: hard-link instead of moving (a copy that costs no
+    space until the original is replaced)."""
     folder = Path(folder)
-    names = [n for n in user_entries(folder) if n != PREVIOUS]
-    if not names:
+    present = [n for n in user_entries(folder) if n != PREVIOUS and (names is None or n in names)]
+    if not present:
         return None
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    dest = folder / PREVIOUS / stamp
+    when = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    dest = folder / PREVIOUS / when
     suffix = 1
     while dest.exists():
         suffix += 1
-        dest = folder / PREVIOUS / f"{stamp}-{suffix}"
+        dest = folder / PREVIOUS / f"{when}-{suffix}"
     dest.mkdir(parents=True)
-    for name in names:
-        os.rename(folder / name, dest / name)
+    for name in present:
+        if not link:
+            os.rename(folder / name, dest / name)
+        elif (folder / name).is_dir():
+            shutil.copytree(folder / name, dest / name, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(folder / name, dest / name)
     (dest / "moved-aside.json").write_text(json.dumps(
-        {"reason": reason, "moved": dt.datetime.now().isoformat(timespec="seconds"), "files": names}, indent=2) + "\n")
+        {"reason": reason, "when": dt.datetime.now().isoformat(timespec="seconds"),
+         "files": present, "how": "hard-linked" if link else "moved"}, indent=2) + "\n")
     return dest
+
+
+def _link_or_copy(source, dest) -> None:
+    try:
+        os.link(source, dest)
+    except OSError:   # a file system without hard links
+        shutil.copy2(source, dest)

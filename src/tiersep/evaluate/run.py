@@ -25,6 +25,7 @@ from tiersep.evaluate.scoring import (TrackTask, aggregate_scores, available_cor
                                       resolve_workers, score_tracks, write_scores)
 from tiersep.evaluate.separate import separate
 from tiersep.io import atomic_dir
+from tiersep.outputs import check, claim, exclusive, only_names
 
 # Fields of a preset the weights depend on: a checkpoint only loads into the same architecture.
 ARCHITECTURE_FIELDS = {
@@ -86,8 +87,13 @@ def load_model(model_path: Path, preset: dict) -> tuple[torch.nn.Module, int | N
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
+# What evaluate writes into its folder (one holding nothing else, without a stamp, is adopted).
+EVAL_FILES = {"scores.json", "museval", "estimates"}
+
+
 def evaluate(cfg: dict, preset: dict, model_path: Path, data_dir: Path, out_dir: Path) -> dict:
     """Load model.pt and evaluate it on the test split of `data_dir`; see `evaluate_model`."""
+    check(out_dir, "evaluate", known=only_names(EVAL_FILES))   # a refused folder before any work
     model, step = load_model(Path(model_path), preset)
     return evaluate_model(cfg, preset, model, Path(data_dir), Path(out_dir),
                           model_path=Path(model_path), step=step)
@@ -95,6 +101,16 @@ def evaluate(cfg: dict, preset: dict, model_path: Path, data_dir: Path, out_dir:
 
 def evaluate_model(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Path, out_dir: Path,
                    model_path: Path | None = None, step: int | None = None) -> dict:
+    """Separate and score the test tracks into out_dir (see `_evaluate`). out_dir must be tiersep's
+    (tiersep.outputs.claim: new, empty or an evaluation folder) and is held by this process alone
+    until scores.json is written."""
+    out_dir = claim(out_dir, "evaluate", known=only_names(EVAL_FILES))
+    with exclusive(out_dir):
+        return _evaluate(cfg, preset, model, Path(data_dir), out_dir, model_path, step)
+
+
+def _evaluate(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Path, out_dir: Path,
+              model_path: Path | None, step: int | None) -> dict:
     """Separate and score the test tracks; write out_dir/scores.json (last, it marks completion),
     out_dir/museval/<track>.json and, when evaluate.save_estimates, out_dir/estimates/<track>/<stem>.wav.
     Returns the scores dict. Long because separation and scoring share one ExitStack: the atomic
@@ -122,8 +138,10 @@ def evaluate_model(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Pa
             # Separation shares the cores with the museval workers; an oversubscribed OpenMP pool
             # spin-waits (measured 10x slower), so torch keeps only the cores the workers leave.
             stack.enter_context(_torch_threads(max(1, available_cores() - workers)))
-        museval_dir = stack.enter_context(atomic_dir(out_dir / "museval"))
-        estimates_dir = stack.enter_context(atomic_dir(out_dir / "estimates")) if settings["save_estimates"] else None
+        # inside evaluate's own folder (claimed by `evaluate`): an earlier evaluation's are replaced
+        museval_dir = stack.enter_context(atomic_dir(out_dir / "museval", replace=True))
+        estimates_dir = (stack.enter_context(atomic_dir(out_dir / "estimates", replace=True))
+                         if settings["save_estimates"] else None)
         bar = stack.enter_context(tqdm(total=len(names), desc=f"evaluate {preset['name']}", unit="track"))
 
         def tasks():

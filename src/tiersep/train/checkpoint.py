@@ -8,6 +8,11 @@ Files are written atomically (temp file + rename): a kill during a save leaves t
 Each new last.pt keeps the one before it as last.prev.pt, so a last.pt damaged after it was written
 (a full disk, a copy cut short) costs one checkpoint interval, not the run: see
 load_resume_checkpoint.
+
+Every file is read with `torch.load(weights_only=True)`: tensors and plain Python values only, so
+no code runs from a checkpoint, whoever wrote it. The RNG states are stored as tensors and plain
+numbers for that reason; a file that carries any other object is refused as untrusted
+(UntrustedFile), never quietly skipped.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import contextlib
 import os
 import pickle
 import random
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -34,19 +40,33 @@ class CheckpointError(ConfigError):
     """A checkpoint or model file that cannot be read; the message is one line naming the file."""
 
 
+class UntrustedFile(CheckpointError):
+    """A .pt file that carries Python objects other than tensors and plain values: loading it
+    fully could run code, so tiersep refuses it (exit 2) instead of falling back or starting over."""
+
+
 def rng_state() -> dict:
+    """Every random state a step consumes, as tensors and plain values (weights-only loadable)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy": np.random.get_state(),
-            "python": random.getstate()}
+            "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "python": random.getstate()}   # (version, tuple of ints, float | None)
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
+                             saved["has_gauss"], saved["cached_gaussian"]))
+    else:   # a checkpoint from before 0.1.1 stored numpy's own tuple (read through NUMPY_GLOBALS)
+        np.random.set_state(saved)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 @contextlib.contextmanager
@@ -120,27 +140,50 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-def _torch_load(path: Path, what: str, weights_only: bool = False):
-    """torch.load on the CPU, with every way a damaged file fails turned into one line."""
+# numpy arrays in checkpoints written before the RNG states were tensors: torch's documented way to
+# read them weights-only (an ndarray is rebuilt from its dtype and bytes; no other class is allowed).
+NUMPY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _torch_load(path: Path, what: str):
+    """torch.load(weights_only=True) on the CPU, with every way a damaged file fails turned into
+    one line, and a file that carries code-bearing objects refused as untrusted."""
     if not path.is_file():
         raise CheckpointError(f"{path}: {what} not found")
     try:
-        # weights_only=False for checkpoints: they hold numpy/python RNG states (plain tuples and
-        # arrays written by this module), not only tensors.
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, KeyError, OSError,
-            AttributeError, ImportError, IndexError, TypeError, zipfile.BadZipFile) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        size = path.stat().st_size
-        raise CheckpointError(f"{path}: unreadable {what} ({size} bytes: {type(err).__name__}: "
-                              f"{reason[:200]}); it is truncated or corrupt") from None
+        with torch.serialization.safe_globals(NUMPY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # The weights-only unpickler names a refused class or function as a GLOBAL ("unsupported
+        # GLOBAL posix.system"): the file asks for code. Anything else (an unknown opcode) is damage.
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if found:
+            raise UntrustedFile(f"{path}: refused: this {what} asks for the Python object {found.group(1)[:80]}, "
+                                "beyond tensors and plain values; loading it could run code, so tiersep does "
+                                "not. Use a file written by tiersep, or remove this one") from None
+        raise _damaged(path, what, err) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError, AttributeError, ImportError,
+            IndexError, TypeError, zipfile.BadZipFile) as err:
+        raise _damaged(path, what, err) from None
+
+
+# torch's weights-only preamble and closing advice: the line between them says what went wrong
+_TORCH_NOISE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
+def _damaged(path: Path, what: str, err: BaseException) -> CheckpointError:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(_TORCH_NOISE)]
+    reason = (lines or [type(err).__name__])[0]
+    size = path.stat().st_size
+    return CheckpointError(f"{path}: unreadable {what} ({size} bytes: {type(err).__name__}: "
+                           f"{reason[:200]}); it is truncated or corrupt")
 
 
 def load_model_file(path: Path) -> dict:
     """model.pt as tiersep train exports it ({"model": state_dict, "preset", "step"}), read with
     weights_only=True (no code runs from the file); CheckpointError naming the file otherwise."""
     path = Path(path)
-    state = _torch_load(path, what="model file", weights_only=True)
+    state = _torch_load(path, what="model file")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{path}: not a tiersep model.pt (expected a dict with key 'model')")
     return state
@@ -160,12 +203,16 @@ def load_resume_checkpoint(out_dir: Path) -> tuple[dict | None, str | None]:
         return None, None
     try:
         return load_checkpoint(last), None
+    except UntrustedFile:
+        raise   # not damage: never fall back or start over past a file that could run code
     except CheckpointError as err:
         damage = str(err)
     corrupt = last.with_name(f"{last.stem}.corrupt{last.suffix}")
     os.replace(last, corrupt)
     try:
         state = load_checkpoint(previous)
+    except UntrustedFile:
+        raise
     except CheckpointError as err:
         return None, (f"{damage} (kept as {corrupt.name}); the previous checkpoint is not usable either "
                       f"({str(err).split(': ', 1)[-1]})")
