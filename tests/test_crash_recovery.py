@@ -198,7 +198,11 @@ def test_resume_with_no_readable_checkpoint_starts_over_with_a_warning(trained, 
     out, run, log = rerun_damaged(trained, tmp_path, damage_previous=True)
     assert run["resumed_from"] is None and run["steps"] == 12
     assert "the previous checkpoint is not usable either" in run["resume_warning"]
-    assert "; starting from scratch" in log and "Traceback" not in log
+    assert "; the earlier run is kept in " in log and "; starting a new run" in log and "Traceback" not in log
+    # nothing deleted: the damaged checkpoints and the logs of the earlier run are moved aside
+    kept = Path(run["moved_aside"]["to"])
+    assert kept.parent == out / "previous" and (kept / "checkpoints" / "last.corrupt.pt").is_file()
+    assert (kept / "metrics.csv").is_file()
     assert_same_weights(out, trained[2])
 
 

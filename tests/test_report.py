@@ -385,8 +385,10 @@ def test_source_files_list_templates_and_captions():
 
 
 def test_outputs_are_written_atomically(rendered):
-    out, _page, _md = rendered
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in output_files(out))
+    from tiersep.outputs import STAMP
+
+    out, _page, _md = rendered   # the report's files and its stamp; no temporary left
+    assert sorted(p.name for p in out.iterdir()) == sorted([STAMP] + [p.name for p in output_files(out)])
 
 
 # ---- partial and odd results -------------------------------------------------------------------
@@ -404,7 +406,8 @@ def test_empty_results_still_render(tmp_path):
 
 def test_odd_results_render(tmp_path):
     """Results of a trial no longer in the config, a run still going (no run.json yet), and a
-    score that is NaN (museval gives NaN for silent frames) all render."""
+    score that is NaN (a damaged scores.json: tiersep writes an undefined score as null) all
+    render; the NaN is an invalid record, never a quiet dash."""
     results = copy_results(tmp_path)
     shutil.copytree(results / "train" / "test_tiny", results / "train" / "test_tiny--lr1e-3")
     (results / "train" / "test_tiny--batch_size1" / "run.json").unlink()
@@ -431,7 +434,7 @@ def test_odd_results_render(tmp_path):
     render(cfg, results, tmp_path / "report")
     page = (tmp_path / "report" / "index.html").read_text()
     assert "not in config" in cells(row_html(page, "tiers", "test_tiny--lr1e-3"))
-    assert "—" in cells(row_html(page, "quality", "test_tiny"))
+    assert cells(row_html(page, "tiers", "test_tiny"))[2] == "invalid record"
 
 
 def test_a_failure_recovered_by_the_retry_is_not_the_status(tmp_path):

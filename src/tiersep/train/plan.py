@@ -43,7 +43,8 @@ class RunPlan:
     budget: int | None = None
     estimate: dict | None = None    # the estimate the gate passed
     resume: dict | None = None      # checkpoint state to continue from
-    not_resumed: str | None = None  # why --resume starts from scratch
+    not_resumed: str | None = None  # why --resume starts a new run
+    resume_requested: bool = False  # --resume was given
     resume_warning: str | None = None  # a damaged last.pt: resumed from the previous one, or started over
     downshifted_from: dict | None = None
     adapted: dict | None = None     # {"reason", "changes"} when on_oversize: adapt changed the preset
@@ -134,6 +135,7 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     probe = MemoryProbe(device)
     plan = RunPlan(preset, device, probe, attempt, allocator, probe.start_free_bytes(), probe.process_bytes(),
                    resume=state, not_resumed=not_resumed, resume_warning="; ".join(resume_warnings) or None,
+                   resume_requested=resume,
                    downshifted_from=downshifted_from,
                    memory_fraction=apply_memory_fraction(device))
     if previous_failure and previous_failure.get("kind") == "oom":

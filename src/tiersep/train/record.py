@@ -90,16 +90,36 @@ def run_record(run, weights_step: int) -> dict:
         "estimate": {k: est.get(k) for k in ESTIMATE_FIELDS} if est else None,
         "gate_budget_bytes": plan.budget,
         "adapted": plan.adapted,
+        # a preset change started this run anew: where the earlier one went (never deleted)
+        "moved_aside": run.run_info.get("moved_aside"),
+        # train.steps grew and the run continued: [{steps, step}] of each shorter run it extends
+        "extended_from": run.run_info.get("extended_from") or None,
         "compile": run.compile_info,
     }
 
 
-def clear_finished_outputs(out_dir: Path) -> None:
-    """A run that starts (not resumes) must not leave an older model.pt/run.json looking current,
-    nor older checkpoints that a later --resume would pick up."""
-    for path in (out_dir / "model.pt", out_dir / "run.json", ckpt.last_path(out_dir),
-                 ckpt.best_path(out_dir)):
-        path.unlink(missing_ok=True)
+# What a training process writes into its run folder (a folder holding nothing else, and no stamp,
+# is a run folder from before stamps: tiersep.outputs.claim adopts it).
+RUN_FILES = {"model.pt", "run.json", "failure.json", "outcome.json", "metrics.csv", "memory.csv",
+             ckpt.CHECKPOINT_DIR, "previous"}
+FINISHED = ("model.pt", "run.json")
+
+
+def has_results(out_dir: Path) -> bool:
+    """Whether out_dir holds a run worth keeping: a model, a run record, a checkpoint, or logged
+    steps (a failed attempt's failure.json and header-only logs are not)."""
+    out_dir = Path(out_dir)
+    if any((out_dir / name).exists() for name in FINISHED):
+        return True
+    if any(ckpt.last_path(out_dir).parent.glob("*.pt")):
+        return True
+    for log in ("metrics.csv", "memory.csv"):
+        path = out_dir / log
+        if path.is_file() and path.stat().st_size > 0:
+            with open(path, "rb") as handle:
+                if len(handle.read(1 << 16).splitlines()) > 1:
+                    return True
+    return False
 
 
 def export_model(run) -> int:

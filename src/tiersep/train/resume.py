@@ -1,4 +1,9 @@
-"""Resuming a run: which checkpoint continues it, and whether it was written for the same preset."""
+"""Resuming a run: which checkpoint continues it, and whether it was written for the same preset.
+
+A checkpoint continues the run when its preset is the same (up to RESUMABLE_DIFFERENCES), or when
+only `train.steps` grew: then the run trains longer, from the checkpoint to the new step count
+(`extension`). Any other difference starts a new run, and the trainer moves the old one aside
+(tiersep.outputs.move_aside); nothing is deleted."""
 from __future__ import annotations
 
 import sys
@@ -34,6 +39,8 @@ def resume_state(out_dir: Path, preset: dict, resume: bool,
     if warning:
         print(f"tiersep train: warning: {warning}", file=sys.stderr)
     differ = preset_differences(state["preset"], preset)
+    if extension(state, preset) is not None:
+        return state, None
     if differ:
         return None, (f"{last} was written for a different {preset['name']} preset (differs in "
                       f"{', '.join(differ)})")
@@ -53,3 +60,12 @@ def preset_differences(a: dict, b: dict, prefix: tuple = ()) -> list[str]:
         elif va != vb:
             out.append(".".join(map(str, path)))
     return out
+
+
+def extension(state: dict, preset: dict) -> dict | None:
+    """{"steps": the checkpoint's train.steps, "step": its step} when `preset` differs from the
+    checkpoint's only in a larger train.steps (train longer), else None."""
+    before = state["preset"]["train"]["steps"]
+    if preset_differences(state["preset"], preset) == ["train.steps"] and preset["train"]["steps"] > before:
+        return {"steps": int(before), "step": int(state["step"])}
+    return None

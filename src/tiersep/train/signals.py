@@ -1,14 +1,16 @@
-"""Preemption: SIGTERM/SIGUSR1 only set a flag; the loop checkpoints at the next step boundary."""
+"""Stopping a run without losing it: SIGTERM/SIGUSR1 (cluster preemption) and SIGINT (Ctrl-C) only
+set a flag, and the loop checkpoints at the next step boundary. A second Ctrl-C stops at once
+(KeyboardInterrupt), for a user who does not want to wait for the step to end."""
 from __future__ import annotations
 
 import signal
 from contextlib import contextmanager
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGUSR1; the handler only records the signal (safe at any point)."""
+    """Set by a stop signal; the handler only records the signal (safe at any point)."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -20,11 +22,18 @@ class StopFlag:
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
 
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C (SIGINT), as opposed to a scheduler's stop."""
+        return self.signal == signal.SIGINT
+
 
 @contextmanager
 def stop_on_signals(flag: StopFlag):
     def handler(signum, _frame):
-        flag.signal = signum
+        flag.signal = flag.signal or signum
+        if signum == signal.SIGINT:   # the next Ctrl-C raises KeyboardInterrupt: stop now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:

@@ -46,13 +46,18 @@ class CsvLog:
         if not self.path.is_file():
             return []
         rows = []
-        with open(self.path, newline="") as f:
-            for row in csv.DictReader(f):
-                # A row cut short by a kill has missing fields (None) or a non-numeric step.
-                if None in row.values() or None in row or not (row.get("step") or "").isdigit():
-                    continue
-                if int(row["step"]) <= step:
-                    rows.append({k: row[k] for k in self.fields})
+        # errors="replace" and csv.Error: a damaged log (binary garbage, NUL bytes) keeps the rows
+        # read before the damage; the rest are rewritten by the resumed run.
+        with open(self.path, newline="", errors="replace") as f:
+            try:
+                for row in csv.DictReader(f):
+                    # A row cut short by a kill has missing fields (None) or a non-numeric step.
+                    if None in row.values() or None in row or not (row.get("step") or "").isdigit():
+                        continue
+                    if int(row["step"]) <= step:
+                        rows.append({k: row.get(k, "") for k in self.fields})
+            except csv.Error:
+                pass
         return rows
 
     def append(self, row: dict) -> None:

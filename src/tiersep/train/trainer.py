@@ -5,8 +5,12 @@ Exit codes (returned, the CLI exits with them):
   3  refused before anything was allocated on the device (fit gate, or a GPU-sized preset on CPU);
      failure.json kind "refused"
   4  out of memory; failure.json kind "oom" (the attempted allocation beside the estimate)
+  5  the run folder is in use by another live tiersep process (tiersep.outputs.exclusive)
   75 stopped by SIGTERM/SIGUSR1 (cluster preemption) after writing checkpoints/last.pt; rerun with
      --resume to continue (EX_TEMPFAIL: "try again later")
+  130 interrupted by Ctrl-C (SIGINT) after writing checkpoints/last.pt at the step boundary; a second
+     Ctrl-C stops at once
+Bad input (a folder that is not tiersep's, an untrusted checkpoint) is exit 2 through the CLI.
 Outputs that mean "finished" (model.pt, run.json) are written only at the end, atomically.
 What is decided before the loop (resume point, micro-batch, device, gate) is in plan.py; the loop
 and its endings are here; run.json is assembled in record.py.
@@ -23,35 +27,44 @@ import torch
 from tqdm import tqdm
 
 from tiersep.io import write_json
+from tiersep.outputs import claim, exclusive, move_aside, only_names
 from tiersep.train import checkpoint as ckpt
 from tiersep.train import record
 from tiersep.train.oom import INJECT_OOM_ENV, is_oom, maybe_inject_oom, parse_injection
 from tiersep.train.plan import RunPlan, plan_run
+from tiersep.train.resume import extension
 from tiersep.train.schedule import Schedule
 from tiersep.train.signals import StopFlag, stop_on_signals
 from tiersep.train.step import make_optimizer, train_step
 from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog
 from tiersep.train.validation import validate
 
-EXIT_OK, EXIT_REFUSED, EXIT_OOM, EXIT_PREEMPTED = 0, 3, 4, 75
+EXIT_OK, EXIT_REFUSED, EXIT_OOM, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 3, 4, 75, 130
 COMPILE_BACKEND_ENV = "TIERSEP_COMPILE_BACKEND"
-__all__ = ["train", "EXIT_OK", "EXIT_REFUSED", "EXIT_OOM", "EXIT_PREEMPTED", "INJECT_OOM_ENV"]
+__all__ = ["train", "EXIT_OK", "EXIT_REFUSED", "EXIT_OOM", "EXIT_PREEMPTED", "EXIT_INTERRUPTED", "INJECT_OOM_ENV"]
 
 
 def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, estimate_path=None,
           attempt: int = 1, outcome_path=None) -> int:
     """Train `preset` on the prepared folder `data_dir` into `out_dir`; returns the exit code.
 
+    out_dir must be tiersep's (new, empty, or a run folder: tiersep.outputs.claim) and is held by
+    this process alone for the whole run (exclusive: a second trainer stops at once, exit 5).
     With `outcome_path` (the workflow's train checkpoint), the outcome is written there at the end:
     trained, or refused by the gate; a refusal is then a finished outcome (exit 0) unless
     on_oversize is fail. Without it a refusal exits 3."""
     wall_start = time.time()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim(out_dir, "train", known=only_names(record.RUN_FILES))
+    with exclusive(out_dir):
+        return _train(cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path, wall_start)
+
+
+def _train(cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path, wall_start) -> int:
     plan = plan_run(cfg, preset, out_dir, resume, estimate_path, attempt)
     if plan.refusal is not None:
-        for stale in ("model.pt", "run.json"):   # an earlier success must not look current
-            (out_dir / stale).unlink(missing_ok=True)
+        # an earlier success must not look current; it is kept, moved aside, never deleted
+        move_aside(out_dir, f"refused: {plan.refusal}", names=record.FINISHED)
         record.write_failure(out_dir, "refused", plan.refusal, preset=preset["name"], device=plan.device.type,
                              attempt=attempt, attempted_allocation_bytes=None,
                              estimate_peak_bytes=(plan.estimate or {}).get("peak_bytes"))
@@ -62,27 +75,47 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
         print(f"tiersep train: recorded the refusal in {outcome_path} (on_oversize: {cfg['on_oversize']}; "
               "`fail` stops the run instead)", file=sys.stderr)
         return EXIT_OK
-    (out_dir / "failure.json").unlink(missing_ok=True)
-    if plan.not_resumed:
-        print(f"tiersep train: {plan.not_resumed}; starting from scratch", file=sys.stderr)
+    history = {}
     if plan.resume is None:
-        record.clear_finished_outputs(out_dir)
+        why = plan.not_resumed or "a new run was asked for (train without --resume)"
+        moved = move_aside(out_dir, why) if record.has_results(out_dir) else None
+        if moved or plan.not_resumed:
+            print(f"tiersep train: {why}; " + (f"the earlier run is kept in {moved}; " if moved else "")
+                  + "starting a new run", file=sys.stderr)
+        history["moved_aside"] = {"to": str(moved), "reason": why} if moved else None
     else:
-        print(f"tiersep train: resuming {preset['name']} from step {plan.resume['step']} "
-              f"({out_dir / 'checkpoints'})", file=sys.stderr)
-    code = Training(plan, data_dir, out_dir, wall_start).run()
+        grown = extension(plan.resume, plan.preset)
+        if grown is not None:
+            kept = _keep_finished(out_dir, f"train.steps grew from {grown['steps']} to {plan.preset['train']['steps']}")
+            print(f"tiersep train: training longer: {preset['name']} continues from step {grown['step']} "
+                  f"(train.steps {grown['steps']} -> {plan.preset['train']['steps']}; the lr schedule follows "
+                  "the new step count from here)" + (f"; the finished model is kept in {kept}" if kept else ""),
+                  file=sys.stderr)
+            history["extended_from"] = list(plan.resume["run"].get("extended_from") or []) + [grown]
+        else:
+            print(f"tiersep train: resuming {preset['name']} from step {plan.resume['step']} "
+                  f"({out_dir / 'checkpoints'})", file=sys.stderr)
+    (out_dir / "failure.json").unlink(missing_ok=True)   # superseded: this attempt trains (run.json keeps an OOM)
+    code = Training(plan, data_dir, out_dir, wall_start, history).run()
     if code == EXIT_OK and outcome_path is not None:
         write_json(outcome_path, {"preset": preset["name"], "status": "trained", "run": str(out_dir / "run.json")})
     return code
 
 
+def _keep_finished(out_dir: Path, reason: str) -> Path | None:
+    """Before a finished run trains longer: its model.pt and run.json, hard-linked (no copy) into
+    previous/<time>/, so the shorter run's model survives the longer one's export."""
+    return move_aside(out_dir, reason, names=record.FINISHED, link=True)
+
+
 class Training:
     """One training process carrying out a RunPlan; its state is what the endings report."""
 
-    def __init__(self, plan: RunPlan, data_dir: Path, out_dir: Path, wall_start: float):
+    def __init__(self, plan: RunPlan, data_dir: Path, out_dir: Path, wall_start: float, history: dict):
         self.plan, self.data_dir, self.out_dir, self.wall_start = plan, data_dir, out_dir, wall_start
         self.preset, self.device, self.t = plan.preset, plan.device, plan.preset["train"]
-        self.run_info = dict(plan.resume["run"]) if plan.resume else {}
+        # bookkeeping carried by every checkpoint of this run (run.json reads it at the end)
+        self.run_info = {**(dict(plan.resume["run"]) if plan.resume else {}), **history}
         self.step = self.steps_this_process = 0
         self.resumed_from = None
         self.loop_start = None
@@ -293,6 +326,11 @@ class Training:
     # -- endings -------------------------------------------------------------------------------
     def _preempt(self, flag: StopFlag) -> int:
         self._checkpoint()
+        if flag.interrupted:
+            again = "run the same command" + ("" if self.plan.resume_requested else " with --resume")
+            print(f"tiersep train: interrupted at step {self.step} (wrote {ckpt.last_path(self.out_dir)}); "
+                  f"{again} to resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
         print(f"tiersep train: {flag.name} at step {self.step}: wrote {ckpt.last_path(self.out_dir)}; "
               f"rerun with --resume to continue (exit {EXIT_PREEMPTED})", file=sys.stderr)
         return EXIT_PREEMPTED
