@@ -178,6 +178,37 @@ def test_data_root_that_is_a_file_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case, pattern", [
+    ("out under a file", r"--out \S*a-file/out: cannot be made, \S*a-file is a file$"),
+    ("out is a file", r"--out \S*a-file: is a file, not a folder$"),
+    ("prepared_dir under a file", r"data.prepared_dir: cannot write the synthetic set to \S*a-file/raw "
+                                  r"\(\S*a-file/raw: Not a directory\)$"),
+    ("manifest is a list", r"\('manifest.json'; its manifest.json is not a tiersep manifest: \S*: expected a "
+                           r"JSON object, got list\)"),
+    ("synthetic folder is the user's", r"synthetic-\w+: holds files tiersep did not make \('mine.txt'; no "
+                                       r"tiersep_synthetic.json\); tiersep never removes them"),
+])
+def test_other_bad_outputs_are_one_line(tmp_path, case, pattern):
+    (tmp_path / "a-file").write_text("mine")
+    config = write_config(tmp_path, {"prepared_dir": str(tmp_path / "a-file" / "prepared")}
+                          if case == "prepared_dir under a file" else None)
+    out = {"out under a file": tmp_path / "a-file" / "out", "out is a file": tmp_path / "a-file"}.get(case, tmp_path / "out")
+    if case == "manifest is a list":
+        out.mkdir()
+        (out / MANIFEST).write_text("[1, 2]")
+    if case == "synthetic folder is the user's":
+        from tiersep import config as C
+        from tiersep.data.synthetic import synthetic_root
+
+        users = synthetic_root(C.load_config(config))
+        users.mkdir(parents=True)
+        (users / "mine.txt").write_text("mine")
+    refused(prepare(config, out, tmp_path), pattern)
+    assert (tmp_path / "a-file").read_text() == "mine"
+    if case == "synthetic folder is the user's":
+        assert os.listdir(users) == ["mine.txt"]
+
+
 # ----------------------------------------------------------------------------- tiersep's own folders
 def test_earlier_set_is_rebuilt_empty_folder_used_and_only_stale_temps_removed(tmp_path):
     config = write_config(tmp_path)

@@ -74,6 +74,8 @@ def check_prepared(out_dir: Path, request: dict | None = None) -> tuple[dict | N
         manifest = read_json(path)
     except (OSError, ValueError) as err:
         return None, f"unreadable {MANIFEST} ({err})"
+    if not isinstance(manifest, dict):
+        return None, f"{MANIFEST} is not a JSON object"
     if manifest.get("format") != MANIFEST_FORMAT:
         return None, f"manifest format {manifest.get('format')} (this version writes {MANIFEST_FORMAT})"
     if request is not None:
@@ -83,11 +85,14 @@ def check_prepared(out_dir: Path, request: dict | None = None) -> tuple[dict | N
         changed = sorted(k for k in set(request) | set(built_for) if request.get(k) != built_for.get(k))
         if changed:
             return None, f"prepared for other settings ({', '.join(changed)} changed)"
-    for track in manifest.get("tracks", []):
-        for stem, entry in track["files"].items():
-            file = Path(out_dir) / entry["path"]
-            if not file.is_file() or file.stat().st_size != entry["bytes"]:
-                return None, f"{file} is missing or changed"
+    try:
+        for track in manifest.get("tracks", []):
+            for stem, entry in track["files"].items():
+                file = Path(out_dir) / entry["path"]
+                if not file.is_file() or file.stat().st_size != entry["bytes"]:
+                    return None, f"{file} is missing or changed"
+    except (KeyError, TypeError, AttributeError):  # a damaged manifest: rebuild, never a traceback
+        return None, f"{MANIFEST} lacks its track files"
     return manifest, ""
 
 

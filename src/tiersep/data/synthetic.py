@@ -97,9 +97,10 @@ def synthetic_root(cfg: dict) -> Path:
 
 def read_marker(root: Path) -> dict | None:
     try:
-        return read_json(Path(root) / MARKER)
+        info = read_json(Path(root) / MARKER)
     except (OSError, ValueError):
         return None
+    return info if isinstance(info, dict) and "settings" in info else None
 
 
 def ensure_synthetic(cfg: dict, progress: bool = True) -> tuple[Path, dict]:
@@ -110,6 +111,15 @@ def ensure_synthetic(cfg: dict, progress: bool = True) -> tuple[Path, dict]:
     info = read_marker(root)
     if info is not None and info.get("settings") == settings:
         return root, info
+    try:
+        return _generate_once(root, settings, progress)
+    except OSError as err:  # a raw folder that cannot be made or written: one line
+        where = f"{err.filename}: " if err.filename else ""
+        raise DataError(f"data.prepared_dir: cannot write the synthetic set to {root.parent} "
+                        f"({where}{err.strerror or err})") from None
+
+
+def _generate_once(root: Path, settings: dict, progress: bool) -> tuple[Path, dict]:
     root.parent.mkdir(parents=True, exist_ok=True)
     # One generator per folder: parallel prepares at two rates share it, and the lock's holder
     # removes the temporaries a killed generator left (`.synthetic-<key>.XXXXXXXX.tmp`).
