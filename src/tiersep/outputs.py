@@ -37,6 +37,8 @@ STAMP = ".tiersep"
 PREVIOUS = "previous"
 STAGES = ("prepare", "train", "evaluate", "report", "separate")
 EXIT_BUSY = 5
+# flock errors that mean "this file system has no locks", not "someone holds it"
+UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 # tempfile's names: prefix + 8 characters of "abcdefghijklmnopqrstuvwxyz0123456789_" + suffix
 _TEMP_TAIL = re.compile(r"\.[a-z0-9_]{8}\.tmp$")
 
@@ -144,24 +146,39 @@ def lock_path(folder: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def exclusive(folder: str | Path, option: str = "--out") -> Iterator[Path]:
-    """Hold the one-writer lock of `folder` for the block (OutputBusy when another process has it).
-    Inside the block, temporaries left by a killed writer of this folder are removed first."""
+def exclusive(folder: str | Path, option: str = "--out", wait: bool = False) -> Iterator[Path]:
+    """Hold the one-writer lock of `folder` for the block: OutputBusy when another process has it,
+    or with `wait`, wait for it (a second prepare needs the set the first is generating; the kernel
+    drops a dead holder's lock, so the wait ends). Inside the block, temporaries left by a killed
+    writer of this folder are removed first."""
     folder = Path(folder)
     path = lock_path(folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
+        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            locked = False
+            if err.errno in UNSUPPORTED:
+                # e.g. Lustre mounted without -o flock: working without the lock beats not working
+                print(f"tiersep: warning: {path.parent} does not support file locks ({os.strerror(err.errno)}); "
+                      f"nothing stops a second writer of {folder} (docs/safety.md)", file=sys.stderr)
+            elif err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                busy = (f"{option} {folder}: in use by {_holder(fd)}; wait for it to finish "
+                        f"(the lock is {path}, released when that process ends)")
+                if not wait:
+                    raise OutputBusy(busy) from None
+                print(f"tiersep: waiting: {busy}", file=sys.stderr)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                locked = True
+            else:
                 raise
-            raise OutputBusy(f"{option} {folder}: in use by {_holder(fd)}; wait for it to finish "
-                             f"(the lock is {path}, released when that process ends)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_me()).encode(), 0)
-        remove_stale_temps(folder)
+        if locked:   # unlocked, another writer's temporaries may be live: leave them
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_me()).encode(), 0)
+            remove_stale_temps(folder)
         yield folder
     finally:
         os.close(fd)   # releases the lock; the file stays (removing it would race a waiting writer)

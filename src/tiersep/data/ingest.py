@@ -28,7 +28,8 @@ import numpy as np
 import soundfile as sf
 
 from tiersep.data.errors import DataError
-from tiersep.data.synthetic import ensure_synthetic, generator_settings, publish_dir, raw_root, waiting_lock
+from tiersep.data.synthetic import ensure_synthetic, generator_settings, publish_dir, raw_root
+from tiersep.outputs import exclusive
 from tiersep.data.tracks import BASE_STEMS
 
 STEM_FILES = ("mixture", *BASE_STEMS)  # MUSDB files; stem index in .stem.mp4
@@ -213,7 +214,7 @@ def ensure_musdb_sample(cfg: dict) -> Path:
         socket.setdefaulttimeout(previous_timeout)
         root.parent.mkdir(parents=True, exist_ok=True)
         # under the folder's lock, whose holder removes the staging folders a killed run left
-        with waiting_lock(root, "data.source musdb-sample"):
+        with exclusive(root, "data.source musdb-sample", wait=True):
             staging = Path(tempfile.mkdtemp(prefix=".musdb-sample.", suffix=".tmp", dir=root.parent))
             try:
                 shutil.move(str(tmp), str(staging / "set"))  # a copy when the temp dir is another filesystem

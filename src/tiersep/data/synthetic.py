@@ -27,16 +27,13 @@ and is never removed.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import soundfile as sf
@@ -45,6 +42,7 @@ from tqdm import tqdm
 from tiersep.data.errors import DataError
 from tiersep.data.tracks import BASE_STEMS
 from tiersep.io import read_json, write_json
+from tiersep.outputs import exclusive
 
 GENERATOR_VERSION = 2
 STEMS = BASE_STEMS  # MUSDB stem order; mixture = sum in this order
@@ -123,7 +121,7 @@ def _generate_once(root: Path, settings: dict, progress: bool) -> tuple[Path, di
     root.parent.mkdir(parents=True, exist_ok=True)
     # One generator per folder: parallel prepares at two rates share it, and the lock's holder
     # removes the temporaries a killed generator left (`.synthetic-<key>.XXXXXXXX.tmp`).
-    with waiting_lock(root, "data.synthetic"):
+    with exclusive(root, "data.synthetic", wait=True):
         info = read_marker(root)  # made by the process we waited for
         if info is not None and info.get("settings") == settings:
             return root, info
@@ -135,29 +133,6 @@ def _generate_once(root: Path, settings: dict, progress: bool) -> tuple[Path, di
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return root, read_marker(root)
-
-
-@contextlib.contextmanager
-def waiting_lock(folder: Path, option: str, poll_s: float = 0.5) -> Iterator[None]:
-    """tiersep.outputs.exclusive(folder), waiting for a live holder instead of stopping: a second
-    prepare needs the set the first is generating. The kernel drops a dead holder's lock, so the
-    wait ends when the holder finishes or dies."""
-    from tiersep.outputs import OutputBusy, exclusive
-
-    announced = False
-    while True:
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(exclusive(folder, option))
-        except OutputBusy as busy:
-            if not announced:
-                print(f"waiting: {busy}", file=sys.stderr)
-                announced = True
-            time.sleep(poll_s)
-            continue
-        with stack:
-            yield
-        return
 
 
 def refuse_foreign(final: Path) -> None:
