@@ -88,16 +88,43 @@ def data_for(wildcards):
 
 
 def estimate_of(path):
-    with open(path) as fh:
-        return json.load(fh)
+    """The estimate record at `path` for a resource function, or {} when it is missing or damaged:
+    a resource function must never raise (the train job itself distrusts such a record and
+    estimates again)."""
+    try:
+        with open(path) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def estimate_bytes(path, *keys):
+    """The first of `keys` that the estimate at `path` holds as a finite positive number, else 0."""
+    record = estimate_of(path)
+    for key in keys:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+            return value
+    return 0
 
 
 def train_outcome(preset):
     """outcome.json of a tier's train checkpoint: trained, or refused by the fit gate. Until the
     job has run this raises, and Snakemake plans the rest of the DAG again afterwards.
     """
-    with open(checkpoints.train.get(preset=preset).output.outcome) as fh:
-        return json.load(fh)
+    path = checkpoints.train.get(preset=preset).output.outcome
+    try:
+        with open(path) as fh:
+            outcome = json.load(fh)
+    except (OSError, ValueError):
+        outcome = None
+    if not isinstance(outcome, dict) or "status" not in outcome:
+        # damaged: the tier is not evaluated (the report shows its records); rerun its train job
+        # with `snakemake --forcerun <path>` to replace it
+        print(f"tiersep: {path}: not a train outcome record; {preset} is not evaluated", file=sys.stderr)
+        return {"status": "damaged"}
+    return outcome
 
 
 def trained_model(wildcards):
@@ -109,10 +136,7 @@ def host_mem_mb(wildcards, input, attempt):
     """Host memory of a train job from its estimate: 1.25 x what the gate books + 2 GiB, at least
     8 GB, times the attempt. On CPU the booking is the process's RSS; on a GPU host RAM >= the
     device's use leaves room for checkpoints and pinned batches."""
-    booked = (
-        estimate_of(input.estimate).get("gate_required_bytes")
-        or estimate_of(input.estimate)["peak_bytes"]
-    )
+    booked = estimate_bytes(input.estimate, "gate_required_bytes", "peak_bytes")
     return attempt * max(8000, int(1.25 * booked / 2**20) + 2048)
 
 

@@ -29,7 +29,7 @@ checkpoint train:
         mem_mb=host_mem_mb,
         runtime=24 * 60,
         vram_mb=lambda wildcards, input: int(
-            estimate_of(input.estimate)["peak_bytes"] / 2**20
+            estimate_bytes(input.estimate, "peak_bytes") / 2**20
         )
         + 1,
         attempt=lambda wildcards, attempt: attempt,
