@@ -120,8 +120,8 @@ def check(folder: str | Path, stage: str, option: str = "--out", known: Callable
     names = user_entries(folder)
     if names and not (known and known(folder)):
         shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise OutputRefused(f"{option} {folder}: holds files tiersep did not make ({shown}); tiersep "
-                            "never writes over them: give a new or empty folder")
+        raise OutputRefused(f"{option} {folder}: holds files tiersep did not make ({shown}), and "
+                            "those are never written over: give a new or empty folder")
 
 
 def claim(folder: str | Path, stage: str, option: str = "--out", known: Callable[[Path], bool] | None = None) -> Path:
