@@ -23,6 +23,7 @@ def fixture_records() -> list[tuple[str, Path]]:
     found += [("run", p) for p in (FIXTURES / "results" / "train").glob("*/run.json")]
     found += [("failure", p) for p in (FIXTURES / "results" / "train").glob("*/failure.json")]
     found += [("scores", p) for p in (FIXTURES / "results" / "eval").glob("*/scores.json")]
+    found += [("listen", p) for p in (FIXTURES / "results" / "eval").glob("*/listen/listen.json")]
     found += [("manifest", p) for p in FIXTURES.rglob("manifest.json")]
     return sorted(found)
 

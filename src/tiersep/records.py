@@ -6,6 +6,7 @@ run       results/train/<preset>/run.json (trainer `_finish`)       .../run.sche
 failure   results/train/<preset>/failure.json (`_write_failure`)    .../failure.schema.yaml
 scores    results/eval/<preset>/scores.json (tiersep.evaluate)      .../scores.schema.yaml
 manifest  <prepared_dir>/<source>/<rate>/manifest.json (prepare)    .../manifest.schema.yaml
+listen    results/eval/<preset>/listen/listen.json (evaluate)      .../listen.schema.yaml
 
 Each schema requires what readers rely on and allows extra fields, so a writer may add some. A
 writer calls `validate_record(kind, record, path)` before writing; the report calls `read_record`.
@@ -29,7 +30,7 @@ from jsonschema import Draft202012Validator
 
 from tiersep.config import ConfigError, load_schema
 
-KINDS = ("estimate", "run", "failure", "scores", "manifest")
+KINDS = ("estimate", "run", "failure", "scores", "manifest", "listen")
 
 
 class RecordError(ConfigError):
@@ -139,4 +140,18 @@ def _scores_match_sources(scores: dict, path) -> None:
                                   f"{entry['valid_frames']} is more than frames ({entry['frames']})")
 
 
-CROSS_CHECKS = {"scores": (_scores_match_sources,)}
+def _listen_files_add_up(listen: dict, path) -> None:
+    """`bytes` is the total of the files (the report checks each against the disk), each named once;
+    the mixture has no stem and every other file has one."""
+    names = [entry["file"] for entry in listen["files"]]
+    if len(set(names)) != len(names):
+        raise RecordError(f"{path}: files: a file is listed twice")
+    for index, entry in enumerate(listen["files"]):
+        if (entry["role"] == "mixture") != (entry["stem"] is None):
+            raise RecordError(f"{path}: files/{index}/stem: {entry['role']} with stem {entry['stem']!r}")
+    total = sum(entry["bytes"] for entry in listen["files"])
+    if total != listen["bytes"]:
+        raise RecordError(f"{path}: bytes: {listen['bytes']}, but the files add up to {total}")
+
+
+CROSS_CHECKS = {"scores": (_scores_match_sources,), "listen": (_listen_files_add_up,)}

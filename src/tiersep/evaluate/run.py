@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from tiersep.config import ConfigError
 from tiersep.device import choose_device
-from tiersep.evaluate import metrics
+from tiersep.evaluate import listen, metrics
 from tiersep.evaluate.scoring import (TrackTask, aggregate_scores, available_cores, museval_peak_bytes,
                                       resolve_workers, score_tracks, write_scores)
 from tiersep.evaluate.separate import separate
@@ -88,7 +88,7 @@ def load_model(model_path: Path, preset: dict) -> tuple[torch.nn.Module, int | N
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 # What evaluate writes into its folder (one holding nothing else, without a stamp, is adopted).
-EVAL_FILES = {"scores.json", "museval", "estimates"}
+EVAL_FILES = {"scores.json", "museval", "estimates", "listen"}
 
 
 def evaluate(cfg: dict, preset: dict, model_path: Path, data_dir: Path, out_dir: Path) -> dict:
@@ -142,6 +142,8 @@ def _evaluate(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Path, o
         museval_dir = stack.enter_context(atomic_dir(out_dir / "museval", replace=True))
         estimates_dir = (stack.enter_context(atomic_dir(out_dir / "estimates", replace=True))
                          if settings["save_estimates"] else None)
+        offer_excerpt = stack.enter_context(listen.excerpt_writer(out_dir / "listen", preset["name"], sources,
+                                                                  rate, settings))
         bar = stack.enter_context(tqdm(total=len(names), desc=f"evaluate {preset['name']}", unit="track"))
 
         def tasks():
@@ -155,6 +157,7 @@ def _evaluate(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Path, o
                                  for i, s in enumerate(sources)}
                 if estimates_dir is not None:
                     _write_estimates(estimates_dir / name, estimates, sources, rate)
+                offer_excerpt(name, mixture, estimates, stems)   # the first track: the report's Listen
                 yield TrackTask(name, estimates, stems, mixture, sources, rate)
 
         results = score_tracks(tasks(), workers, on_result=lambda r: bar.update(1))

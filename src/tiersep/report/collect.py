@@ -5,7 +5,8 @@ results is still a row (status says why). Every JSON record is checked against i
 (tiersep.records: extra fields are fine, NaN and ±inf are not); a file that exists but cannot be
 read or breaks its schema is left out and becomes a problem of its tier, shown on the page as a
 failure naming the file and the field: a corrupt result neither disappears silently nor stops the
-report. The same holds for metrics.csv and memory.csv (read_csv).
+report. The same holds for metrics.csv and memory.csv (read_csv), and for the excerpt of the
+Listen section (tiersep.report.listen).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from tiersep import config as C
 from tiersep.memory.constants import BREAKDOWN_KEYS  # noqa: F401 - the estimate's parts, in report order
 from tiersep.records import RecordError, read_record
+from tiersep.report.listen import Listen, read_listen
 
 
 def device_type(device: str | None) -> str | None:
@@ -47,6 +49,8 @@ class Tier:
     metrics: list[dict] = field(default_factory=list)  # metrics.csv rows, numbers or None
     memory: list[dict] = field(default_factory=list)  # memory.csv rows
     scores: dict | None = None  # results/eval/<name>/scores.json
+    listen: Listen | None = None  # results/eval/<name>/listen/: the excerpt the page plays
+    listen_error: str | None = None  # why that excerpt cannot be played (also in problems)
     problems: list[str] = field(default_factory=list)  # records that could not be read, one line each
 
     # ---- derived views the tables and plots share -------------------------------------------
@@ -332,6 +336,12 @@ def collect_tier(name: str, kind: str, cfg: dict, results_dir: Path) -> Tier:
         except ReportInputError as err:
             problems.append(str(err))
             logs[log] = []
+    listen, listen_error = None, None
+    try:
+        listen = read_listen(results_dir / "eval" / name / "listen")
+    except RecordError as err:
+        listen_error = str(err)
+        problems.append(listen_error)
     # The trainer removes failure.json when an attempt starts training, so one that is present
     # describes the last attempt; an OOM that a retry got past is recorded in run.json instead.
     return Tier(name=name, kind=kind, preset=preset, preset_error=preset_error,
@@ -339,7 +349,8 @@ def collect_tier(name: str, kind: str, cfg: dict, results_dir: Path) -> Tier:
                 failure=read("failure", train_dir / "failure.json"),
                 earlier_failure=recovered if isinstance(recovered, dict) else None,
                 metrics=logs["metrics"], memory=logs["memory"],
-                scores=read("scores", results_dir / "eval" / name / "scores.json"), problems=problems)
+                scores=read("scores", results_dir / "eval" / name / "scores.json"), listen=listen,
+                listen_error=listen_error, problems=problems)
 
 
 # ---- run facts ---------------------------------------------------------------------------------

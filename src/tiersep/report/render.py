@@ -116,8 +116,8 @@ def render(cfg: dict, results_dir: str | Path, out_dir: str | Path) -> None:
     file is written. One report writes into it at a time (OutputBusy)."""
     from tiersep.outputs import claim, exclusive, only_names
     from tiersep.report.captions import read_captions
-    from tiersep.report.page import budget_bytes
     from tiersep.report.plots import make_plots  # matplotlib only when rendering
+    from tiersep.report.sections.facts import budget_bytes
 
     out_dir = claim(Path(out_dir), "report", known=only_names({p.name for p in output_files(out_dir)}))
     with exclusive(out_dir):

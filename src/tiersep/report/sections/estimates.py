@@ -1,0 +1,64 @@
+"""Memory estimates: how each estimate was made, the device model, the breakdown, what the gate
+books and the verdict against the budget."""
+from __future__ import annotations
+
+from typing import Callable
+
+from tiersep.report.collect import BREAKDOWN_KEYS, Tier
+from tiersep.report.sections.table import Column, Table, make_table
+from tiersep.report.sections.tiers import fits_cell
+from tiersep.report.units import MISSING, format_bytes
+
+
+def _estimate_field(key: str, fmt: Callable = str) -> Callable[[Tier], str]:
+    def cell(tier: Tier) -> str:
+        value = (tier.estimate or {}).get(key)
+        return MISSING if value is None else fmt(value)
+    return cell
+
+
+def _method(tier: Tier) -> str:
+    """e.g. "trace (cuda, compiled)": how the estimate was made, and for which step."""
+    if not tier.estimate:
+        return MISSING
+    step = ", compiled" if tier.estimate.get("compiled") else ""
+    return f"{tier.estimate.get('method')} ({tier.estimate.get('device')}{step})"
+
+
+def _device_model(tier: Tier) -> str:
+    """The calibration and the caching-allocator mode a CUDA estimate modelled (one column: the
+    estimates table must fit a laptop window)."""
+    estimate = tier.estimate or {}
+    calibration, allocator = estimate.get("calibration"), estimate.get("allocator")
+    parts = []
+    if isinstance(calibration, dict):
+        parts.append(f"{calibration.get('name')} ({calibration.get('source')})")
+    elif calibration is not None:
+        parts.append(str(calibration))
+    if isinstance(allocator, dict) and "expandable_segments" in allocator:
+        parts.append("expandable segments" if allocator["expandable_segments"] else "native allocator")
+    return "; ".join(parts) or MISSING
+
+
+HYPHENATED = {"activations": "acti\u00advations", "optimizer": "opti\u00admizer", "gradients": "gradi\u00adents"}
+ESTIMATE_COLUMNS = [
+    Column("Estimate", "Method (device)", _method, numeric=False),
+    Column("Estimate", "Atten\u00adtion modelled", _estimate_field("attention_backend"), numeric=False),
+    Column("Estimate", "Device model", _device_model, numeric=False, optional=True),
+    *[Column("Breakdown", HYPHENATED.get(key, key),
+             lambda t, key=key: format_bytes(((t.estimate or {}).get("breakdown") or {}).get(key)))
+      for key in BREAKDOWN_KEYS],
+    Column("Peak", "Estimated peak", lambda t: format_bytes(t.estimated_peak)),
+    Column("Peak", "Gate books", _estimate_field("gate_required_bytes", format_bytes), optional=True),
+    Column("Peak", "Largest allo\u00adcation", _estimate_field("largest_allocation_bytes", format_bytes)),
+    Column("Peak", "Uncer\u00adtainty", _estimate_field("uncertainty", lambda v: f"±{float(v) * 100:.1f} %")),
+    Column("Budget", "Budget", lambda t: format_bytes((t.estimate or {}).get("budget_bytes"))
+           if (t.estimate or {}).get("budget_bytes") is not None else str((t.estimate or {}).get("budget") or MISSING)),
+    Column("Budget", "Kept free", _estimate_field("margin_bytes", format_bytes)),
+    Column("Budget", "Verdict", fits_cell, numeric=False),
+]
+
+
+def estimates_table(tiers: list[Tier]) -> Table:
+    return make_table("estimates", "Tier", ESTIMATE_COLUMNS, [t for t in tiers if t.estimate],
+                      key=lambda t: t.name, status=lambda t: t.status, empty="No estimate yet.")
