@@ -54,13 +54,11 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
     """Build a whole folder under a temporary name and rename it into place at the end.
 
     An existing folder at `path` is replaced only when it is empty, or when `replace` says the
-    caller knows it is tiersep's own (see tiersep.outputs); otherwise OutputRefused, before any
-    work is done."""
+    caller knows it is tiersep's own (callers check with tiersep.outputs first; this is the last
+    guard, so FileExistsError), before any work is done."""
     path = Path(path)
     if path.exists() and not replace and not (path.is_dir() and not any(path.iterdir())):
-        from tiersep.outputs import OutputRefused
-
-        raise OutputRefused(f"{path}: exists and is not known to be tiersep's; not replaced")
+        raise FileExistsError(f"{path}: exists and is not known to be tiersep's; not replaced")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
