@@ -27,6 +27,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/estimate.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/separate.smk"  # a target of its own: snakemake --cores 1 separate
 include: "workflow/rules/report.smk"
 
 

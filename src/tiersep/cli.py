@@ -38,7 +38,7 @@ def _parse_set(text: str) -> tuple[str, object]:
     try:
         return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
     except yaml.YAMLError as err:   # (NaN and inf are refused when the preset is validated)
-        raise argparse.ArgumentTypeError(f"{key}: not a YAML value ({str(err).splitlines()[0]})") from None
+        raise argparse.ArgumentTypeError(C.one_line(f"{key}: not a YAML value ({str(err).splitlines()[0]})")) from None
 
 
 def _schema_number(schema_name: str, dotted: str, kind):
@@ -136,6 +136,8 @@ def estimate_budget(cfg: dict, device: str, override_gib: float | None) -> int |
 
 
 def cmd_estimate(args, cfg):
+    if args.inference:
+        return cmd_estimate_inference(args, cfg)
     from tiersep.io import write_json
     from tiersep.memory import estimate
     from tiersep.records import validate_record
@@ -220,6 +222,44 @@ def cmd_evaluate(args, cfg):
     return 0
 
 
+def cmd_estimate_inference(args, cfg):
+    """`estimate --inference`: the memory of separation (one model call on a batch of chunks)."""
+    from tiersep.io import write_json
+    from tiersep.memory.inference import estimate_inference
+    from tiersep.records import validate_record
+
+    preset = resolve_preset(args.preset, cfg, args.set)
+    device = estimate_device(cfg, args.preset, preset, args.device)
+    if (args.method or "trace") != "trace":
+        raise C.ConfigError(f"--inference: only --method trace models separation (not {args.method})")
+    rate = preset["audio"]["sample_rate"]
+    seconds = args.chunk if args.chunk is not None else cfg["separate"]["chunk_seconds"]
+    chunk = max(preset["audio"]["n_fft"], int(round(seconds * rate)))
+    record = estimate_inference(preset, device, chunk, args.batch or 1,
+                                budget_bytes=estimate_budget(cfg, device, args.budget),
+                                safety_margin=cfg["estimate"]["safety_margin"],
+                                calibration_spec=args.calibration or cfg["estimate"]["calibration"])
+    write_json(args.out, validate_record("estimate", record, args.out))
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
+    print(f"{preset['name']}: separation of {chunk / rate:g} s chunks x {record['batch']}: "
+          f"{record['gate_required_bytes'] / 2**30:.2f} GiB booked ({record['device']}, "
+          f"{record['attention_backend']} attention) -> {verdict}; wrote {args.out}")
+    return 0
+
+
+def cmd_separate(args, cfg):
+    from tiersep.separate.run import options_from, separate
+
+    preset = resolve_preset(args.preset, cfg) if args.preset else None
+    opts = options_from(cfg, model=args.model, inputs=args.inputs, out=args.out, preset=preset,
+                        stems=args.stems, budget_gib=args.budget, device=args.device, overlap=args.overlap,
+                        shifts=args.shifts, seed=args.seed, format=args.format, bits=args.bits,
+                        clip=args.clip, filename=args.filename, chunk_seconds=args.chunk, max_batch=args.batch)
+    summary = separate(cfg, opts)
+    print(f"separated {len(summary['songs'])} song(s) into {args.out}")
+    return 0
+
+
 def cmd_config(args, cfg):
     """Write the merged config the workflow's jobs read (Snakemake's config, validated again)."""
     import json
@@ -281,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=budget_gib, metavar="GIB", help="budget in GiB (default: config budget_gib)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates: auto, "
                    "a built-in GPU name, or a `tiersep calibrate` JSON (default from config)")
+    p.add_argument("--inference", action="store_true", help="estimate separation instead of training: one "
+                   "model call (eval mode, no autograd) on --batch chunks of --chunk seconds")
+    p.add_argument("--chunk", type=_schema_number("config.schema.yaml", "separate.chunk_seconds", float),
+                   metavar="SECONDS", help="with --inference: chunk length (default: config separate.chunk_seconds)")
+    p.add_argument("--batch", type=_schema_number("config.schema.yaml", "separate.max_batch", int), metavar="N",
+                   help="with --inference: chunks per model call (default 1)")
 
     p = add("fit", cmd_fit, "Derive a variant of a preset that fits a memory budget (segment, micro-batch "
             "with accumulation, checkpointing, bf16) and write it as a preset YAML.")
@@ -316,6 +362,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model.pt from `tiersep train`")
     p.add_argument("--data", required=True, help="prepared folder")
     p.add_argument("--out", required=True, help="output folder, e.g. results/eval/NAME")
+
+    p = add("separate", cmd_separate, "Separate your own songs (files or folders: wav, flac, ogg, mp3, m4a, "
+            ".stem.mp4) with a trained model, streamed in blocks within a memory budget: the longest chunk and "
+            "largest batch that fit are chosen from the inference estimate. Writes OUT/<song>/<stem>.<ext> and a "
+            "JSON sidecar per song. Exit codes: 0 done, 2 bad input (a song that failed: the others are "
+            "written), 3 the budget does not fit the shortest chunk, 5 OUT is in use by another run.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, or folders searched recursively")
+    p.add_argument("--model", required=True, help="model.pt from `tiersep train`")
+    p.add_argument("--out", required=True, help="output folder (new, empty, or an earlier separate's)")
+    p.add_argument("--preset", metavar="NAME", help="check the model against this preset (default: the "
+                   "preset stored in the model file)")
+    p.add_argument("--stems", metavar="STEM", help="write this stem and its complement no_STEM (mixture minus "
+                   "stem) instead of every stem")
+    p.add_argument("--budget", type=_schema_number("config.schema.yaml", "separate.budget_gib", float),
+                   metavar="GIB", help="memory budget in GiB (default: the free GPU memory, or the available RAM)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="default: config separate.device (auto)")
+    p.add_argument("--overlap", type=_schema_number("config.schema.yaml", "separate.overlap", float),
+                   metavar="X", help="fraction of a chunk shared with the next (default 0.25)")
+    p.add_argument("--shifts", type=_schema_number("config.schema.yaml", "separate.shifts", int), metavar="N",
+                   help="average N passes with random shifts of up to 0.5 s (default 1: no shift)")
+    p.add_argument("--seed", type=_schema_number("config.schema.yaml", "separate.seed", int), metavar="N",
+                   help="seed of the random shifts (default 0)")
+    p.add_argument("--format", choices=["wav", "flac", "mp3"], help="output format (default wav)")
+    p.add_argument("--bits", choices=["16", "24", "32f"], help="wav: 16/24-bit PCM or 32f float; flac: 16 or 24 "
+                   "(default 16)")
+    p.add_argument("--clip", choices=["rescale", "clamp", "none"], help="beyond full scale: one gain for the "
+                   "song's stems, clip samples, or write as computed (default rescale)")
+    p.add_argument("--filename", metavar="TEMPLATE", help="path of each stem under --out, with {song}, "
+                   "{songext}, {stem}, {ext} (default '{song}/{stem}.{ext}')")
+    p.add_argument("--chunk", type=_schema_number("config.schema.yaml", "separate.chunk_seconds", float),
+                   metavar="SECONDS", help="the longest chunk to try (default 10); a shorter one is used "
+                   "when it does not fit the budget")
+    p.add_argument("--batch", type=_schema_number("config.schema.yaml", "separate.max_batch", int), metavar="N",
+                   help="the most chunks per model call (default 4)")
 
     p = sub.add_parser("config", help="Write the merged, validated config every job reads (a workflow rule).",
                        description="Write the merged, validated config every job reads (a workflow rule).")
@@ -360,14 +440,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = C.load_config(args.config) if args.config else None
         return args.func(args, cfg) or 0
     except C.ConfigError as err:
-        message = str(err).replace("\n", "\\n")   # one line, whatever a path or value holds
-        print(f"tiersep {args.command}: error: {message}", file=sys.stderr)
+        # one line, whatever a path, key or value holds
+        print(f"tiersep {args.command}: error: {C.one_line(str(err))}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
     except OSError as err:
         if not _names_an_input(err, args):
             raise
-        print(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
-              f"({err.strerror or err})", file=sys.stderr)
+        print(C.one_line(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
+                         f"({err.strerror or err})"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tiersep {args.command}: interrupted", file=sys.stderr)

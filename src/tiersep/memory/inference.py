@@ -1,0 +1,166 @@
+"""Peak memory of separation: model calls on a batch of chunks, eval mode, no autograd.
+
+The same machinery as the training estimate (trace.py): the real model is built under
+FakeTensorMode and its forward runs as OverlapAdd runs it (eval mode, inference_mode, the
+preset's precision) on a fake [batch, C, chunk] input, under a StorageTracker; for `cuda` with
+CudaEmulation (CUDA's autocast policy and SDPA kernels) and CudaKernelMemory (what kernels
+allocate inside), the call repeated and replayed through the caching-allocator model, and the CUDA
+context added from a device calibration. One call's timeline: the input batch arrives on the
+device, the forward runs, the input is dropped when the call returns, the stems are copied to the
+host and dropped.
+
+On a CPU, what `tiersep separate` books is the whole process's peak RSS, as the CPU fit gate books
+a train process (memory.cpu_process): the measured process allowance, plus the live tensor bytes of
+a call times a factor (malloc's slack around tensors freed and made again every call), plus the
+host buffers of the stream (memory bounded by the chunk, not the song: separate/plan.py).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import allocator, calibration, cpu_process
+from .constants import CPU_UNCERTAINTY, CUDA_UNCERTAINTY
+from .cuda_model import CudaEmulation, CudaKernelMemory, modelled_backend
+from .estimate import finish
+from .trace import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, _emulated, _move_order, _peak_from, repeat_steps
+from .tracker import StorageTracker, cpu_block_bytes, cuda_block_bytes
+from tiersep.device import planned_allocator
+
+# Whole-process RSS above the allowance, per live tensor byte of a model call, with glibc's malloc
+# as it comes: 0.75-1.01x measured over chunks of 1-20 s of cpu_tiny and cpu_small (bench/separate.py,
+# bench/results/separate_cpu.md); booked at 1.25.
+LIVE_FACTOR = 1.25
+
+
+@dataclass
+class InferenceTrace:
+    device: str
+    chunk_samples: int
+    batch: int
+    parameters: int
+    allocated_peak: int           # peak live bytes (torch.cuda.max_memory_allocated on cuda)
+    reserved_peak: int | None     # the caching allocator's reserved peak (cuda)
+    largest_allocation: int
+    weights: int
+    io_bytes: int                 # the input batch and the stems, at the peak
+    peak_op: str
+    kernels: dict
+    notes: list
+
+
+def record_calls(preset: dict, device: str, chunk_samples: int, batch: int,
+                 workspace_bytes: int = CUBLAS_WORKSPACE_BYTES) -> tuple[RecordedStep, set]:
+    """Record the weights arriving and one model call of separation; returns the recording (as
+    trace.repeat_steps takes it) and the keys of the call's input and output."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
+    from tiersep.evaluate.separate import precision_context
+    from tiersep.model import build_model
+
+    bf16 = torch.bfloat16 if preset["train"]["precision"] == "bf16" else None
+    emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
+    kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
+    tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
+    a = preset["audio"]
+    with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+        warnings.filterwarnings("ignore", message=".*autocast.*")
+        model = build_model(preset).eval()
+        weights = set(tracker.register([x for x in _move_order(model) if x is not None]))
+        start = len(tracker.timeline.events)
+        with _emulated(model, tracker, emulation, bf16) as stack:
+            stack.enter_context(tracker)
+            # on cuda the forward hooks hold CUDA's autocast policy; on cpu the real CPU autocast
+            stack.enter_context(precision_context(preset["train"]["precision"], torch.device("cpu"))
+                                if device == "cpu" else torch.autocast("cpu", enabled=False))
+            stack.enter_context(torch.inference_mode())
+            pieces = torch.empty(batch, a["channels"], chunk_samples)         # the batch on the device
+            estimates = model(pieces)                                        # [b, n_src, C, chunk]
+            io = {tracker.key_of(pieces), tracker.key_of(estimates)}
+            del pieces                                                       # the call has returned
+            del estimates                                                    # copied to the host
+        tracker.stop()
+    timeline = tracker.timeline
+    persistent = {k for k, x in timeline.allocations.items() if x.op.startswith("<cublas workspace")}
+    parameters = sum(p.numel() for p in model.parameters())
+    rec = RecordedStep(timeline, start, parameters, weights, set(), set(), io - {None}, set(), persistent,
+                       1, emulation)
+    return rec, io - {None}
+
+
+def trace_inference(preset: dict, device: str, chunk_samples: int, batch: int,
+                    workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, expandable_segments: bool = False,
+                    calls: int = STEPS) -> InferenceTrace:
+    """Trace separation's model calls of `preset` on `device` for one chunk size and batch: one call
+    on cpu (its peak of live bytes), `calls` on cuda, replayed through the caching-allocator model."""
+    rec, io = record_calls(preset, device, chunk_samples, batch, workspace_bytes)
+    timeline, starts = repeat_steps(rec, calls if device == "cuda" else 1)
+    peak, at = _peak_from(timeline, starts[0], set())
+    reserved = None
+    if device == "cuda":
+        stats = allocator.replay(timeline, expandable_segments=expandable_segments)
+        peak, reserved = max(stats.peak_allocated, peak), stats.peak_reserved
+    live = timeline.live_at(at)
+    sizes = {k: timeline.allocations[k].nbytes for k in live}
+    emulation = rec.emulation
+    return InferenceTrace(
+        device=device, chunk_samples=chunk_samples, batch=batch, parameters=rec.parameters,
+        allocated_peak=peak, reserved_peak=reserved,
+        largest_allocation=max(x.nbytes for k, x in rec.timeline.allocations.items() if k not in rec.persistent),
+        weights=sum(sizes.get(k, 0) for k in rec.weights), io_bytes=sum(sizes.get(k, 0) for k in io),
+        peak_op=timeline.allocations[timeline.events[at][0]].op if at >= 0 else "",
+        kernels=dict(emulation.kernels_used) if emulation is not None else {},
+        notes=sorted(emulation.unmodelled) if emulation is not None and emulation.unmodelled else [])
+
+
+def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int,
+                       budget_bytes: int | None = None, safety_margin: float = 0.08,
+                       calibration_spec: str = "auto", host_bytes: int = 0) -> dict:
+    """The estimate record of separation with `preset` on `device` (the fields of a training
+    estimate, results/vram, plus mode, chunk_samples and batch): peak_bytes is the predicted device
+    use on cuda (reserved peak + CUDA context), the peak of live tensor bytes on cpu; on cpu
+    `cpu_process` books the whole process (see module docstring), `host_bytes` being the stream's
+    buffers. `gate_required_bytes` and `fits` as the fit gate sets them (estimate.finish)."""
+    began = time.time()
+    cal = calibration.resolve(calibration_spec) if device == "cuda" else None
+    expandable = planned_allocator(preset)["expandable_segments"] if device == "cuda" else False
+    r = trace_inference(preset, device, chunk_samples, batch,
+                        cal["cublas_workspace_bytes"] if cal else CUBLAS_WORKSPACE_BYTES, expandable)
+    live = r.allocated_peak
+    peak = r.reserved_peak + cal["context_bytes"] if cal else live
+    activations = max(0, live - r.weights)
+    record = {
+        "preset": preset["name"], "method": "trace", "device": device, "mode": "inference",
+        "chunk_samples": int(chunk_samples), "chunk_seconds": chunk_samples / preset["audio"]["sample_rate"],
+        "batch": int(batch), "precision": preset["train"]["precision"], "parameters": r.parameters,
+        "peak_bytes": int(peak), "allocated_peak_bytes": int(live),
+        "reserved_peak_bytes": int(r.reserved_peak) if r.reserved_peak is not None else None,
+        "largest_allocation_bytes": int(r.largest_allocation),
+        "breakdown": {"weights": r.weights, "gradients": 0, "optimizer": 0, "activations": activations,
+                      "transient": 0, "overhead": int(peak - live)},
+        "io_bytes": r.io_bytes, "peak_op": r.peak_op,
+        "attention_backend": max(r.kernels, key=r.kernels.get) if r.kernels else modelled_backend(preset, device),
+        "uncertainty": CUDA_UNCERTAINTY if device == "cuda" else CPU_UNCERTAINTY,
+        "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
+        "allocator": {"expandable_segments": expandable} if device == "cuda" else None,
+        "notes": r.notes, "torch": torch.__version__,
+    }
+    if device == "cpu":
+        record["cpu_process"] = cpu_booking(live, host_bytes)
+    return finish(record, budget_bytes, safety_margin, time.time() - began)
+
+
+def cpu_booking(live_bytes: int, host_bytes: int) -> dict:
+    """The predicted peak RSS of a `tiersep separate` process on a CPU (see module docstring)."""
+    allowance = cpu_process.process_allowance()
+    process = int(allowance["process_bytes"])
+    rss = int(process + LIVE_FACTOR * live_bytes + host_bytes)
+    return {"rss_bytes": rss, "live_bytes": int(live_bytes), "host_bytes": int(host_bytes),
+            "process_bytes": process, "live_factor": LIVE_FACTOR,
+            "process_source": allowance["source"],
+            "model": f"{process // 2**20} MiB process + {LIVE_FACTOR} x live tensor bytes + stream buffers"}

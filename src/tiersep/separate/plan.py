@@ -1,0 +1,134 @@
+"""How `tiersep separate` runs within a memory budget: the device, the budget, the chunk and batch.
+
+The budget (`budget_for`): on CUDA the memory free on the GPU before this process's CUDA context
+(free now + the calibrated context that the estimate books), on a CPU the available RAM; `--budget`
+overrides either. What is booked against it is the inference estimate (memory/inference.py) of one
+model call on a batch of chunks: on CUDA the predicted device use, on a CPU the whole process's
+peak RSS, the stream's host buffers (`host_bytes`) included. As the fit gate, a plan fits when
+booking + safety margin x budget <= budget.
+
+`choose` picks the longest chunk (at most the requested one, at least `min_chunk`) that fits with a
+batch of one, then the largest batch of such chunks that fits (at most the requested one, and no
+more than the longest song has chunks): memory grows with both, and the chunk matters more for
+quality. A budget that does not fit the shortest chunk is refused before any song is touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiersep.config import ConfigError, DoesNotFit
+from tiersep.evaluate.separate import overlap_samples, plan_chunks
+from tiersep.memory.constants import GIB
+
+BYTES = 4                  # float32 samples
+BLOCK_FRAMES = 1 << 16     # decoded and written per block, at the song's rate
+
+
+@dataclass
+class Plan:
+    device: torch.device
+    budget_bytes: int | None
+    budget_source: str
+    chunk_samples: int
+    batch: int
+    estimate: dict                                 # the inference estimate of the chosen chunk and batch
+    tried: list = field(default_factory=list)      # [{chunk_samples, batch, required_bytes, fits}]
+
+
+def resolve_device(wanted: str) -> torch.device:
+    """auto: CUDA when a GPU is visible, else the CPU; cuda without a GPU is a one-line error."""
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to this process")
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def budget_for(device: torch.device, override_gib: float | None, calibration_spec: str) -> tuple[int, str]:
+    """(budget bytes, where it comes from): see the module docstring."""
+    if override_gib is not None:
+        return max(1, int(override_gib * GIB)), f"--budget {override_gib:g} GiB"
+    if device.type == "cuda":
+        from tiersep.memory import calibration
+
+        free, _ = torch.cuda.mem_get_info(device)
+        context = calibration.resolve(calibration_spec)["context_bytes"]
+        return int(free + context), (f"free on {torch.cuda.get_device_name(device)} before this process's "
+                                     f"CUDA context ({free / GIB:.2f} GiB free + {context / 2**20:.0f} MiB context)")
+    import psutil
+
+    return int(psutil.virtual_memory().available), "available RAM (psutil)"
+
+
+def host_bytes(channels: int, n_src: int, chunk: int, batch: int, hop: int, shifts: int, rate_ratio: float) -> int:
+    """Host memory of the stream around the model calls, by what each stage keeps (float32):
+    per pass the input kept for the next chunks and its copy, the chunks of a batch and their stack,
+    and the overlap-add buffer spanning a batch of hops and a chunk, three times over (the buffer,
+    a weighted estimate and the finished block); per song the decoded and resampled blocks and the
+    stems' blocks at the song's rate, in and out of each stage."""
+    span = batch * hop + chunk
+    per_pass = 2 * channels * (chunk + BLOCK_FRAMES) + 2 * channels * chunk * batch + 3 * n_src * channels * span
+    block = int(BLOCK_FRAMES * max(1.0, rate_ratio))
+    song = 4 * (n_src + 2) * channels * block + 2 * channels * span
+    return BYTES * (shifts * per_pass + (shifts > 1) * 2 * n_src * channels * span + song)
+
+
+def estimate_for(preset: dict, device: torch.device, chunk: int, batch: int, budget: int | None,
+                 safety_margin: float, overlap: float, shifts: int, rate_ratio: float, calibration_spec: str) -> dict:
+    """The inference estimate of one chunk size and batch, with the stream's host buffers."""
+    from tiersep.memory.inference import estimate_inference
+
+    n_src, channels = len(preset["model"]["sources"]), preset["audio"]["channels"]
+    hop = chunk - overlap_samples(chunk, overlap)
+    return estimate_inference(preset, device.type, chunk, batch, budget, safety_margin, calibration_spec,
+                              host_bytes(channels, n_src, chunk, batch, hop, shifts, rate_ratio))
+
+
+def choose(preset: dict, device: torch.device, budget: int, budget_source: str, safety_margin: float,
+           max_chunk: int, min_chunk: int, max_batch: int, overlap: float, shifts: int,
+           longest_samples: int, rate_ratio: float, calibration_spec: str) -> Plan:
+    """The plan for these settings (see module docstring); DoesNotFit when nothing fits."""
+    min_chunk = min(min_chunk, max_chunk)
+    tried, cache = [], {}
+
+    def estimate(chunk: int, batch: int) -> dict:
+        if (chunk, batch) not in cache:
+            record = estimate_for(preset, device, chunk, batch, budget, safety_margin, overlap, shifts,
+                                  rate_ratio, calibration_spec)
+            cache[chunk, batch] = record
+            tried.append({"chunk_samples": chunk, "batch": batch,
+                          "required_bytes": record["gate_required_bytes"], "fits": record["fits"]})
+        return cache[chunk, batch]
+
+    def largest(low: int, high: int, fits, step: int) -> int:
+        """The largest value in [low, high] that fits, to within `step` (fits(low) is known true)."""
+        while high - low > step:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low
+
+    def chunk_fits(chunk: int) -> bool:
+        return estimate(chunk, 1)["fits"]
+
+    if not chunk_fits(min_chunk):
+        record = estimate(min_chunk, 1)
+        raise DoesNotFit(_refusal(preset, device, record, budget, budget_source, safety_margin, min_chunk))
+    chunk = max_chunk if chunk_fits(max_chunk) else largest(min_chunk, max_chunk, chunk_fits,
+                                                            max(1, (max_chunk - min_chunk) // 64))
+    chunks_needed = len(plan_chunks(longest_samples, chunk, overlap_samples(chunk, overlap)))
+    top = max(1, min(max_batch, chunks_needed))
+    batch_fits = lambda b: estimate(chunk, b)["fits"]   # noqa: E731
+    batch = top if batch_fits(top) else largest(1, top, batch_fits, 0)
+    return Plan(device, budget, budget_source, chunk, batch, estimate(chunk, batch), tried)
+
+
+def _refusal(preset: dict, device: torch.device, record: dict, budget: int, source: str, margin: float,
+             chunk: int) -> str:
+    rate = preset["audio"]["sample_rate"]
+    booked = record["gate_required_bytes"]
+    what = "the process's peak RSS" if device.type == "cpu" else "the device use"
+    return (f"preset {preset['name']}: the shortest chunk ({chunk / rate:g} s, batch 1) needs an estimated "
+            f"{booked / GIB:.2f} GiB ({what}, trace on {device.type}) + {margin:.0%} margin, more than the "
+            f"budget of {budget / GIB:.2f} GiB ({source}); free memory or raise --budget")

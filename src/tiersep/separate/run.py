@@ -1,0 +1,278 @@
+"""`tiersep separate`: separate songs with a trained tier, within a memory budget, in blocks.
+
+Up front, before any song is written: the options (formats, filename template), the songs (files,
+folders searched recursively), the output folder (tiersep.outputs: new, empty or a separate folder;
+one writer at a time), the model (weights-only, its own preset or the one named), each song's probe
+(a song ffmpeg cannot read fails alone), and the plan (chunk and batch under the budget, or a
+refusal naming the estimate). Then each song streams through separate/song.py into temporaries
+that are renamed when the song is complete, and a JSON sidecar records how it was made. A failed
+song is reported and the others go on; the command then exits 2 naming the failures.
+"""
+from __future__ import annotations
+
+import copy
+import string
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tiersep import config as C
+from tiersep.config import ConfigError
+from tiersep.memory.constants import GIB
+from tiersep.outputs import check, claim, exclusive
+
+from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
+from .plan import BLOCK_FRAMES, budget_for, choose, resolve_device
+from .song import StreamSettings, complement_name, separate_song
+from .stems import SongFiles
+
+TEMPLATE_FIELDS = ("song", "songext", "stem", "ext")
+SIDECAR = {"stem": "separate", "ext": "json"}     # the sidecar's path: the template with these
+
+
+class SongsFailed(ConfigError):
+    """Some songs could not be separated (the others were written); exit 2, one line naming them."""
+
+
+@dataclass
+class Options:
+    model: Path
+    inputs: list
+    out: Path
+    preset: dict | None         # check the model against this preset (else: the model's own)
+    stems: str | None           # two-stem mode: this stem and its complement
+    budget_gib: float | None    # None: the free memory of the device
+    device: str
+    overlap: float
+    shifts: int
+    seed: int
+    format: str
+    bits: str
+    clip: str
+    filename: str
+    chunk_seconds: float        # the longest chunk tried
+    min_chunk_seconds: float
+    max_batch: int
+
+
+def options_from(cfg: dict, **given) -> Options:
+    """Options from the CLI (`given`; None = not given) over the config's `separate` section."""
+    section = cfg["separate"]
+    defaults = {"stems": section["stems"], "device": section["device"], "overlap": section["overlap"],
+                "shifts": section["shifts"], "seed": section["seed"], "format": section["format"],
+                "bits": str(section["bits"]), "clip": section["clip"], "filename": section["filename"],
+                "chunk_seconds": section["chunk_seconds"], "min_chunk_seconds": section["min_chunk_seconds"],
+                "max_batch": section["max_batch"],
+                "budget_gib": None if section["budget_gib"] == "auto" else section["budget_gib"]}
+    merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    merged.setdefault("preset", None)
+    merged["model"], merged["out"] = Path(merged["model"]), Path(merged["out"])
+    return Options(**merged)
+
+
+def check_options(opts: Options) -> None:
+    """Refuse impossible combinations and a bad --filename before anything is done."""
+    if opts.format not in FORMATS or opts.bits not in BITS:
+        raise ConfigError(f"--format {opts.format} --bits {opts.bits}: allowed formats {', '.join(FORMATS)}, "
+                          f"bits {', '.join(BITS)}")
+    if opts.format == "flac" and opts.bits == "32f":
+        raise ConfigError("--bits 32f: flac holds integer samples; use --bits 16 or 24, or --format wav")
+    fields = {name for _, name, _, _ in string.Formatter().parse(opts.filename) if name is not None}
+    unknown = sorted(fields - set(TEMPLATE_FIELDS))
+    if unknown or not {"stem"} <= fields or not fields & {"song", "songext"}:
+        raise ConfigError(f"--filename {opts.filename!r}: use the fields {{song}} and {{stem}} (and optionally "
+                          f"{{songext}}, {{ext}}); {'unknown: ' + ', '.join(unknown) if unknown else 'one is missing'}")
+    render(opts.filename, "song", "wav", "vocals", "wav")
+
+
+def render(template: str, song: str, songext: str, stem: str, ext: str) -> Path:
+    """The relative output path of one file; a path leaving the output folder is refused."""
+    try:
+        text = template.format(song=song, songext=songext, stem=stem, ext=ext)
+    except (ValueError, IndexError, KeyError) as err:
+        raise ConfigError(f"--filename {template!r}: not a valid template ({err})") from None
+    path = Path(text)
+    if path.is_absolute() or not path.parts or any(p in ("", ".", "..") for p in path.parts):
+        raise ConfigError(f"--filename {template!r}: gives {text!r}, which is not a path inside --out")
+    return path
+
+
+def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Module, dict, int | None]:
+    """The trained model (weights-only) and its preset: the one given (the file must match it), or
+    the preset the file was trained with."""
+    from tiersep.evaluate.run import load_model
+    from tiersep.train.checkpoint import load_model_file
+
+    if preset is None:
+        stored = load_model_file(model_path).get("preset")
+        if not isinstance(stored, dict):
+            raise ConfigError(f"{model_path}: carries no preset; name it with --preset NAME")
+        preset = C.validate(copy.deepcopy(stored), "preset.schema.yaml", f"{model_path} (its preset)")
+        C.check_preset(preset, f"{model_path} (its preset)")
+    model, step = load_model(model_path, preset)
+    return model, preset, step
+
+
+def separate(cfg: dict, opts: Options) -> dict:
+    """Separate every song of opts.inputs into opts.out (see module docstring); returns the summary."""
+    check_options(opts)
+    songs = find_songs(opts.inputs)
+    check(opts.out, "separate")                        # a refused folder before any work
+    model, preset, step = load_separator(opts.model, opts.preset)
+    sources = list(preset["model"]["sources"])
+    if opts.stems is not None and opts.stems not in sources:
+        raise ConfigError(f"--stems {opts.stems}: this model separates {', '.join(sources)}")
+    names = [opts.stems, complement_name(opts.stems)] if opts.stems else sources
+    ext = opts.format
+
+    failures, infos, paths, owners = {}, {}, {}, {}
+    for song in songs:
+        try:
+            infos[song] = probe(song)
+        except SongError as err:
+            failures[song] = str(err)
+            print(f"tiersep separate: failed: {err}", file=sys.stderr)
+            continue
+        name, suffix = song_name(song), song.name[len(song_name(song)):].lstrip(".")
+        wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, ext) for stem in names}
+        wanted["\0sidecar"] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
+        clash = next((owners[p] for p in wanted.values() if p in owners), None)
+        if clash is not None:
+            failures[song] = f"{song}: its outputs are those of {clash} too (--filename {opts.filename!r}); rename one"
+            del infos[song]
+            continue
+        owners.update({p: song for p in wanted.values()})
+        paths[song] = wanted
+    if not infos:
+        raise _failed(failures, len(songs))
+
+    rate = preset["audio"]["sample_rate"]
+    device, plan = _plan(cfg, opts, preset, infos)
+    model = model.to(device)
+    print(f"tiersep separate: {preset['name']} on {device.type}: chunk {plan.chunk_samples / rate:g} s x batch "
+          f"{plan.batch}, estimated peak {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB within "
+          f"{plan.budget_bytes / GIB:.2f} GiB ({plan.budget_source})", file=sys.stderr)
+    settings = StreamSettings(plan.chunk_samples, plan.batch, opts.overlap, preset["train"]["precision"],
+                              opts.shifts, opts.seed, BLOCK_FRAMES)
+    from tiersep.train.telemetry import MemoryProbe
+
+    probe_ = MemoryProbe(device)
+    records = []
+    out = claim(opts.out, "separate")
+    with exclusive(out), tqdm(total=len(infos), desc=f"separate {preset['name']}", unit="song") as overall:
+        for song, info in infos.items():
+            try:
+                records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_))
+            except (SongError, OSError) as err:
+                failures[song] = _one_line(err, song)
+                tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+            except torch.OutOfMemoryError as err:
+                failures[song] = f"{song}: out of memory on {device} ({_one_line(err, song)[:160]})"
+                tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+            overall.update(1)
+    if failures:
+        raise _failed(failures, len(songs))
+    return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
+
+
+def _plan(cfg: dict, opts: Options, preset: dict, infos: dict):
+    from tiersep.device import configure_cuda_allocator
+
+    rate = preset["audio"]["sample_rate"]
+    configure_cuda_allocator(preset)                    # before CUDA starts: the mode the estimate models
+    device = resolve_device(opts.device)
+    spec = cfg["estimate"]["calibration"]
+    budget, source = budget_for(device, opts.budget_gib, spec)
+    seconds = [i.seconds for i in infos.values()]
+    longest = int(max(seconds) * rate) + 1 if None not in seconds else 10**12
+    max_chunk = max(1, int(round(opts.chunk_seconds * rate)))
+    min_chunk = max(preset["audio"]["n_fft"], int(round(opts.min_chunk_seconds * rate)))
+    plan = choose(preset, device, budget, source, cfg["estimate"]["safety_margin"], max_chunk, min_chunk,
+                  opts.max_batch, opts.overlap, opts.shifts, longest,
+                  max(i.rate for i in infos.values()) / rate, spec)
+    return device, plan
+
+
+def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_) -> dict:
+    from tiersep.io import write_json
+    from tiersep.train.telemetry import versions
+
+    began = time.perf_counter()
+    sidecar = paths.pop("\0sidecar")
+    files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip)
+    label = song_name(info.path)
+    try:
+        with tqdm(total=info.seconds, desc=label[:30], unit="s", leave=False,
+                  bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]") as bar:
+            def advance(seconds):   # the declared duration may be a little short of the decoded one
+                bar.update(min(seconds, bar.total - bar.n) if bar.total else seconds)
+
+            result = separate_song(model, preset, info, files, settings, plan.device, opts.stems,
+                                   on_seconds=advance, on_block=probe_.sample)
+        clipping = files.commit()
+    except BaseException:
+        files.abort()
+        raise
+    taken = time.perf_counter() - began
+    measured = probe_.peaks()[1] if plan.device.type == "cpu" else probe_.record()["peak_device_bytes"]
+    record = {
+        "song": label, "input": str(info.path), "codec": info.codec, "sample_rate": info.rate,
+        "channels": info.channels, "seconds": result["seconds"],
+        "model": str(opts.model), "tier": preset["name"], "preset": preset, "step": step,
+        "stems": {stem: str(path.relative_to(opts.out)) for stem, path in paths.items()},
+        "settings": {"stems": opts.stems, "format": opts.format, "bits": opts.bits, "clip": opts.clip,
+                     "overlap": opts.overlap, "shifts": opts.shifts, "seed": opts.seed,
+                     "filename": opts.filename, "device": plan.device.type, "precision": preset["train"]["precision"]},
+        "chunk_samples": plan.chunk_samples, "chunk_seconds": plan.chunk_samples / preset["audio"]["sample_rate"],
+        "batch": plan.batch,
+        "memory": {"budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
+                   "estimated_bytes": plan.estimate["gate_required_bytes"],
+                   "estimated_peak_bytes": plan.estimate["peak_bytes"],
+                   "estimate": "the process's peak RSS (live tensors booked as the CPU gate books)"
+                   if plan.device.type == "cpu" else "device use (allocator reserved peak + CUDA context)",
+                   "measured_peak_bytes": int(measured),
+                   "measured": "this process's peak RSS so far (VmHWM)" if plan.device.type == "cpu"
+                   else "this process's device use so far (NVML/cudaMemGetInfo)",
+                   "tried": plan.tried},
+        "clipping": clipping, "notes": result["notes"],
+        "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
+        "versions": versions(),
+    }
+    write_json(sidecar, record)
+    tqdm.write(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
+    return record
+
+
+def _summary(record: dict, folder: Path) -> str:
+    mem = record["memory"]
+    lines = [f"{record['song']}: {record['seconds']:.1f} s in {record['seconds_taken']:.1f} s "
+             f"(real-time factor {record['real_time_factor']:.2f}), peak {mem['measured_peak_bytes'] / GIB:.2f} GiB "
+             f"of {mem['budget_bytes'] / GIB:.2f} GiB -> {folder}"]
+    clipped = {s: v for s, v in record["clipping"]["stems"].items() if v["clipped_samples"]}
+    if clipped:
+        worst = max(clipped, key=lambda s: clipped[s]["peak"])
+        action = {"rescale": f"all stems scaled by {record['clipping']['gain']:.3f}",
+                  "clamp": "clamped to full scale", "none": "written as computed"}[record["clipping"]["mode"]]
+        lines.append(f"  note: {len(clipped)} stem(s) went beyond full scale (peak {clipped[worst]['peak']:.2f} in "
+                     f"{worst}): {action}")
+    lines += [f"  note: {note}" for note in record["notes"]]
+    return "\n".join(lines)
+
+
+def _one_line(err: BaseException, song: Path) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {err.strerror or text}"
+    return text if str(song) in text else f"{song}: {text}"
+
+
+def _failed(failures: dict, total: int) -> SongsFailed:
+    messages = list(failures.values())
+    if len(messages) == 1 and total == 1:
+        return SongsFailed(messages[0])
+    shown = "; ".join(messages[:3]) + (f"; and {len(messages) - 3} more" if len(messages) > 3 else "")
+    return SongsFailed(f"{len(messages)} of {total} songs failed: {shown}")

@@ -1,0 +1,144 @@
+"""One song through the stream: decode -> resample -> separate -> resample back -> write, in blocks.
+
+    ffmpeg [C, n] @ song rate --(mono: both channels)--> StreamResampler --> OverlapAdd (or
+    ShiftAverage) @ model rate --> [n_src, C, m] --> StreamResampler back --> [n_src, C, m'] @ song
+    rate --(mono: mean of both)--> SongFiles
+
+Every stage keeps only what its next output needs, so memory is bounded by the chunk and batch,
+whatever the song's length. Two-stem mode writes the chosen stem and its complement, the mixture
+minus the stem, at the song's own rate: the decoded blocks wait in a queue until the stem's samples
+of the same span come out, so stem + complement is the mixture.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tiersep.evaluate.separate import OverlapAdd, ShiftAverage
+
+from .audio import AudioInfo, Decoder, SongError
+from .resample import StreamResampler
+from .stems import SongFiles
+
+# Shifts delay the song by up to this long (demucs's max_shift: 0.5 s).
+MAX_SHIFT_SECONDS = 0.5
+
+
+@dataclass
+class StreamSettings:
+    chunk_samples: int
+    batch: int
+    overlap: float
+    precision: str
+    shifts: int
+    seed: int
+    block_frames: int
+
+
+def complement_name(stem: str) -> str:
+    return f"no_{stem}"
+
+
+def shift_delays(shifts: int, seed: int, rate: int) -> list[int]:
+    """Delays (samples) of the passes: none for one pass, else random, the same for every song."""
+    if shifts <= 1:
+        return [0]
+    rng = np.random.default_rng(seed)
+    return [int(d) for d in rng.integers(0, int(MAX_SHIFT_SECONDS * rate) + 1, size=shifts)]
+
+
+class _Queue:
+    """Decoded mixture blocks [C, n] waiting for the stems of the same span (two-stem mode)."""
+
+    def __init__(self):
+        self.blocks, self.offset = collections.deque(), 0
+
+    def append(self, block: np.ndarray) -> None:
+        self.blocks.append(block)
+
+    def take(self, count: int) -> np.ndarray:
+        parts = []
+        while count > 0:
+            head = self.blocks[0]
+            part = head[:, self.offset:self.offset + count]
+            parts.append(part)
+            count -= part.shape[1]
+            self.offset += part.shape[1]
+            if self.offset == head.shape[1]:
+                self.blocks.popleft()
+                self.offset = 0
+        return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def separate_song(model: torch.nn.Module, preset: dict, info: AudioInfo, files: SongFiles, settings: StreamSettings,
+                  device: torch.device, two_stem: str | None, on_seconds=None, on_block=None) -> dict:
+    """Stream the song `info` into `files` (not committed here). Returns {seconds, frames, notes}.
+    on_seconds(s): progress in seconds of audio decoded; on_block(): after each model output."""
+    sources = list(preset["model"]["sources"])
+    model_rate, model_channels = preset["audio"]["sample_rate"], preset["audio"]["channels"]
+    if info.channels not in (1, model_channels):
+        raise SongError(f"{info.path}: has {info.channels} channels; this model separates "
+                        f"{model_channels}-channel songs (and mono ones)")
+    passes = [OverlapAdd(model, settings.chunk_samples, settings.overlap, settings.precision, device,
+                         settings.batch, delay) for delay in shift_delays(settings.shifts, settings.seed, model_rate)]
+    separator = passes[0] if len(passes) == 1 else ShiftAverage(passes)
+    to_model, back = StreamResampler(info.rate, model_rate), StreamResampler(model_rate, info.rate)
+    decoder = Decoder(info, settings.block_frames)
+    mixture = _Queue() if two_stem else None
+    written = 0
+
+    def write(stems: torch.Tensor | None, limit: int | None) -> None:
+        """Stems [n_src, C, m] at the model's rate: back to the song's rate and channels, written."""
+        if stems is None:
+            return
+        if on_block is not None:
+            on_block()
+        n_src, channels, _ = stems.shape
+        out = back.push(stems.reshape(n_src * channels, -1)) if stems.shape[-1] else None
+        _write_song_rate(out, n_src, channels, limit)
+
+    def _write_song_rate(out: torch.Tensor | None, n_src: int, channels: int, limit: int | None) -> None:
+        nonlocal written
+        if out is None:
+            return
+        out = out.reshape(n_src, channels, -1)
+        if limit is not None:                 # resampling back may give a sample or two more
+            out = out[..., :max(0, limit - written)]
+        if info.channels == 1 and channels != 1:
+            out = out.mean(dim=1, keepdim=True)             # mono in, mono out
+        stems_np = out.numpy()
+        if stems_np.shape[-1] == 0:
+            return
+        if two_stem:
+            stem = stems_np[sources.index(two_stem)]
+            blocks = {two_stem: stem, complement_name(two_stem): mixture.take(stem.shape[-1]) - stem}
+        else:
+            blocks = {name: stems_np[i] for i, name in enumerate(sources)}
+        files.write(blocks)
+        written += stems_np.shape[-1]
+
+    for block in decoder:                                   # [C, n] float32 at the song's rate
+        block = block.copy()                                # writable (ffmpeg's bytes are read-only)
+        if mixture is not None:
+            mixture.append(block)
+        signal = torch.from_numpy(block)
+        if info.channels == 1 and model_channels != 1:
+            signal = signal.expand(model_channels, -1)      # mono separated as stereo
+        resampled = to_model.push(signal)
+        if resampled is not None:
+            write(separator.push(resampled), None)
+        if on_seconds is not None:
+            on_seconds(block.shape[1] / info.rate)
+    frames = decoder.frames
+    resampled = to_model.close()
+    if resampled is not None:
+        write(separator.push(resampled), frames)
+    write(separator.close(), frames)
+    n_src = len(sources)
+    _write_song_rate(back.close(), n_src, model_channels, frames)
+    if written != frames:
+        raise RuntimeError(f"{info.path}: wrote {written} of {frames} frames (a bug in the stream)")
+    return {"seconds": frames / info.rate, "frames": frames, "notes": list(decoder.notes)}

@@ -1,0 +1,194 @@
+"""The pieces of `tiersep separate` that bound its memory, against their whole-track references:
+streamed overlap-add == evaluate's separate(), streamed resampling == prepare's torchaudio
+resampling, the inference trace == the live bytes of a real model call, and the plan."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiersep import config as C
+from tiersep.evaluate.separate import OverlapAdd, ShiftAverage, separate
+from tiersep.memory.inference import trace_inference
+from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
+from tiersep.model import build_model
+from tiersep.separate.plan import choose, estimate_for
+from tiersep.separate.resample import StreamResampler
+from tiersep.separate.run import Options, check_options, render
+from tiersep.separate.song import shift_delays
+
+REPO = Path(__file__).resolve().parents[1]
+TIERSEP = str(Path(sys.executable).parent / "tiersep")
+
+
+class PointwiseStems(torch.nn.Module):
+    """Stem k = (k + 1) * x * |x| / 10: pointwise, so any chunking or delay gives the same output."""
+
+    def forward(self, x):  # [B, C, S] -> [B, 3, C, S]
+        gains = torch.arange(1, 4, dtype=x.dtype) / 10
+        return gains[None, :, None, None] * (x * x.abs())[:, None]
+
+
+def stream(model, mixture, blocks, **kwargs) -> torch.Tensor:
+    """Push `mixture` [C, S] through OverlapAdd in blocks of the given sizes (cycled)."""
+    sep = OverlapAdd(model, **kwargs) if "passes" not in kwargs else kwargs["passes"]
+    outs, i, k = [], 0, 0
+    while i < mixture.shape[1]:
+        n = blocks[k % len(blocks)]
+        outs.append(sep.push(mixture[:, i:i + n]))
+        i, k = i + n, k + 1
+    outs.append(sep.close())
+    return torch.cat([o for o in outs if o is not None], dim=-1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return build_model(C.load_preset("cpu_tiny")).eval()
+
+
+@pytest.mark.parametrize("length,chunk,overlap,batch,blocks", [
+    (20000, 4000, 0.25, 1, [777, 5000, 1]),
+    (20000, 4000, 0.25, 3, [4000]),
+    (3000, 4000, 0.5, 2, [100]),          # shorter than one chunk: padded
+    (16001, 4000, 0.0, 2, [16001]),       # one block holding the whole track
+])
+def test_streamed_overlap_add_equals_the_whole_track_version(tiny_model, length, chunk, overlap, batch, blocks):
+    torch.manual_seed(length)
+    mixture = torch.randn(2, length) * 0.1
+    whole = separate(tiny_model, mixture, chunk, overlap, batch=batch)
+    streamed = stream(tiny_model, mixture, blocks, chunk_samples=chunk, overlap=overlap, batch=batch)
+    assert streamed.shape == whole.shape == (4, 2, length)
+    assert torch.equal(streamed, whole)      # the same arithmetic in the same order: bit for bit
+
+
+def test_the_stream_holds_a_bounded_buffer_not_the_track(tiny_model):
+    sep = OverlapAdd(tiny_model, 4000, 0.25, batch=2)
+    longest_buffer = 0
+    for _ in range(30):
+        sep.push(torch.randn(2, 3000) * 0.1)
+        held = sep.acc.shape[-1] if sep.acc is not None else 0
+        longest_buffer = max(longest_buffer, held, sep.inbuf.shape[-1])
+    sep.close()
+    assert longest_buffer <= 2 * 3000 + 4000           # a batch of hops and a chunk, not 90 000 samples
+
+
+def test_shifted_passes_average_to_the_pointwise_result_for_any_delay():
+    torch.manual_seed(1)
+    mixture = torch.randn(2, 9001)
+    expected = separate(PointwiseStems(), mixture, 1000, 0.25)
+    passes = [OverlapAdd(PointwiseStems(), 1000, 0.25, batch=b, delay=d) for b, d in ((1, 0), (2, 37), (3, 500))]
+    averaged = stream(None, mixture, [333, 2048], passes=ShiftAverage(passes))
+    torch.testing.assert_close(averaged, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_shift_delays_are_seeded_and_within_half_a_second():
+    assert shift_delays(1, 5, 8000) == [0]
+    assert shift_delays(4, 5, 8000) == shift_delays(4, 5, 8000) != shift_delays(4, 6, 8000)
+    assert all(0 <= d <= 4000 for d in shift_delays(16, 0, 8000))
+
+
+@pytest.mark.parametrize("orig,new", [(44100, 8000), (22050, 8000), (48000, 8000), (96000, 8000),
+                                      (8000, 44100), (8000, 22050), (8000, 8000)])
+def test_streamed_resampling_equals_prepares_whole_track_resampling(orig, new):
+    import torchaudio.functional as AF
+
+    from tiersep.data.prepare import RESAMPLING
+
+    torch.manual_seed(orig + new)
+    signal = torch.randn(2, orig * 2 + 13)
+    whole = AF.resample(signal, orig, new, **RESAMPLING)
+    resampler = StreamResampler(orig, new)
+    outs, i = [], 0
+    for n in [1, 999, 4096, 5, 20000] * 20:
+        if i < signal.shape[1]:
+            outs.append(resampler.push(signal[:, i:i + n]))
+            i += n
+    outs.append(resampler.close())
+    streamed = torch.cat([o for o in outs if o is not None], dim=1)
+    assert streamed.shape == whole.shape
+    torch.testing.assert_close(streamed, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name,chunk,batch", [("cpu_tiny", 8000, 1), ("cpu_small", 20000, 3)])
+def test_inference_trace_counts_the_live_bytes_of_a_real_model_call(name, chunk, batch):
+    preset = C.load_preset(name)
+    traced = trace_inference(preset, "cpu", chunk, batch)
+    model = build_model(preset).eval()
+    tracker = StorageTracker(cpu_block_bytes)
+    tracker.register(list(model.parameters()) + list(model.buffers()))
+    with tracker, torch.inference_mode():
+        pieces = torch.empty(batch, 2, chunk)
+        estimates = model(pieces)
+        del pieces, estimates
+    assert abs(traced.allocated_peak - tracker.peak_bytes) <= 1024       # bytes, of tens of MB
+
+
+def test_inference_trace_of_cuda_replays_the_allocator():
+    preset = C.load_preset("cpu_small")
+    traced = trace_inference(preset, "cuda", 20000, 2)
+    assert traced.reserved_peak >= traced.allocated_peak > traced.weights > 0
+    assert traced.kernels                            # SDPA modelled as a fused CUDA kernel
+
+
+def test_plan_takes_the_longest_chunk_and_largest_batch_that_fit():
+    preset = C.load_preset("cpu_tiny")
+    cpu = torch.device("cpu")
+    common = dict(safety_margin=0.08, overlap=0.25, shifts=1, rate_ratio=1.0, calibration_spec="auto")
+    shortest = estimate_for(preset, cpu, 8000, 1, None, **common)["gate_required_bytes"]
+    longest = estimate_for(preset, cpu, 80000, 1, None, **common)["gate_required_bytes"]
+    budget = int((shortest + longest) / 2 / 0.92)
+    plan = choose(preset, cpu, budget, "test", 0.08, 80000, 8000, 4, 0.25, 1, 10**9, 1.0, "auto")
+    assert 8000 < plan.chunk_samples < 80000 and plan.batch == 1
+    assert plan.estimate["fits"] and plan.estimate["gate_required_bytes"] + 0.08 * budget <= budget
+    roomy = choose(preset, cpu, 64 * 2**30, "test", 0.08, 80000, 8000, 4, 0.25, 1, 10**9, 1.0, "auto")
+    assert (roomy.chunk_samples, roomy.batch) == (80000, 4)
+    short_song = choose(preset, cpu, 64 * 2**30, "test", 0.08, 80000, 8000, 4, 0.25, 1, 30000, 1.0, "auto")
+    assert short_song.batch == 1                     # one chunk covers the longest song
+    with pytest.raises(C.DoesNotFit, match=r"shortest chunk \(1 s, batch 1\) needs an estimated"):
+        choose(preset, cpu, int(shortest * 0.9), "test", 0.08, 80000, 8000, 4, 0.25, 1, 10**9, 1.0, "auto")
+
+
+def options(**changes) -> Options:
+    base = dict(model=Path("m.pt"), inputs=[], out=Path("o"), preset=None, stems=None, budget_gib=None,
+                device="cpu", overlap=0.25, shifts=1, seed=0, format="wav", bits="16", clip="rescale",
+                filename="{song}/{stem}.{ext}", chunk_seconds=10, min_chunk_seconds=1, max_batch=4)
+    return Options(**{**base, **changes})
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"filename": "{song}.{ext}"}, "use the fields {song} and {stem}"),
+    ({"filename": "{song}/{stem}/{bpm}.{ext}"}, "unknown: bpm"),
+    ({"filename": "/abs/{song}/{stem}.{ext}"}, "not a path inside --out"),
+    ({"filename": "../{song}/{stem}.{ext}"}, "not a path inside --out"),
+    ({"filename": "{song}/{stem!z}"}, "not a valid template"),
+    ({"format": "flac", "bits": "32f"}, "flac holds integer samples"),
+])
+def test_bad_options_are_one_line_errors(changes, message):
+    with pytest.raises(C.ConfigError, match=message.replace("{", r"\{").replace("}", r"\}").replace("(", r"\(")):
+        check_options(options(**changes))
+
+
+def test_templates_render_inside_the_output_folder():
+    assert render("{song}/{stem}.{ext}", "A - B", "mp3", "vocals", "wav") == Path("A - B/vocals.wav")
+    assert render("{stem}/{song}.{songext}.{ext}", "x", "flac", "bass", "mp3") == Path("bass/x.flac.mp3")
+
+
+def test_estimate_inference_writes_a_valid_estimate_record(tmp_path):
+    import json
+
+    from tiersep.records import validate_record
+
+    out = tmp_path / "inference.json"
+    proc = subprocess.run([TIERSEP, "estimate", "--preset", "cpu_small", "--inference", "--device", "cpu",
+                           "--chunk", "4", "--batch", "2", "--budget", "8", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = validate_record("estimate", json.loads(out.read_text()), out)
+    assert record["mode"] == "inference" and record["chunk_samples"] == 32000 and record["batch"] == 2
+    assert record["breakdown"]["gradients"] == record["breakdown"]["optimizer"] == 0
+    assert record["fits"] is True and record["gate_required_bytes"] == record["cpu_process"]["rss_bytes"]
+    assert "separation of 4 s chunks x 2" in proc.stdout
