@@ -6,7 +6,7 @@ rule config:
         "logs/config.log",
     localrule: True
     params:
-        merged=MERGED_CONFIG,
+        merged=lambda wildcards: MERGED_CONFIG,  # a function: braces in a value are not wildcards
     shell:
         "tiersep config --merged {params.merged:q} --out {output} > {log} 2>&1"
 
