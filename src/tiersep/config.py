@@ -95,6 +95,13 @@ class YamlLoader(yaml.SafeLoader):
             _expanded_size(node, {}, set())
         return node
 
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:   # Python refuses to read an int of more than 4300 digits
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value)} digits", node.start_mark) from None
+
 
 def _expanded_size(node, sizes: dict, open_: set) -> int:
     """Nodes in `node` with every alias expanded (an alias is the anchored node object itself);
@@ -123,6 +130,7 @@ YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
     list("-+0123456789."))
+YamlLoader.add_constructor("tag:yaml.org,2002:int", YamlLoader.construct_yaml_int)
 
 
 def load_yaml(text: str):
@@ -175,17 +183,29 @@ _SHORT_REPR.maxstring = 40
 _SHORT_REPR.maxother = 40
 
 
-def _refuse_non_finite(node: Any, source: str | Path, path: tuple = ()) -> None:
+# What str.splitlines() breaks a line at: a key or value holding one must not split a message.
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks written as escapes (\\n, \\x1d, ...)."""
+    return text.translate(_LINE_BREAKS)
+
+
+def _check_numbers(node: Any, source: str | Path, path: tuple = ()) -> None:
     """NaN and +-inf pass every jsonschema range check (NaN compares false with everything), and no
-    tiersep field means them: refuse them wherever they are."""
+    tiersep field means them; an int beyond 64 bits passes a field without a maximum, then
+    overflows in torch or numpy. Refuse them wherever they are."""
     if isinstance(node, float) and not math.isfinite(node):
         raise ConfigError(f"{source}: {_where(path)}: {node} is not a finite number", path)
+    if isinstance(node, int) and not isinstance(node, bool) and not -2**63 <= node < 2**63:
+        raise ConfigError(f"{source}: {_where(path)}: {_short(node)} is too large (beyond a 64-bit integer)", path)
     if isinstance(node, dict):
         for key, value in node.items():
-            _refuse_non_finite(value, source, path + (key,))
+            _check_numbers(value, source, path + (key,))
     elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):
-            _refuse_non_finite(value, source, path + (i,))
+            _check_numbers(value, source, path + (i,))
 
 
 def _describe(error) -> str:
@@ -221,7 +241,7 @@ def validate(instance: Any, schema_name: str, source: str | Path) -> dict:
         instance = {}
     if not isinstance(instance, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(instance).__name__}")
-    _refuse_non_finite(instance, source)
+    _check_numbers(instance, source)
     validator = _DefaultingValidator(load_schema(schema_name))
     errors = sorted(validator.iter_errors(instance), key=lambda e: (len(e.path), list(map(str, e.path))))
     if errors:
@@ -351,13 +371,23 @@ def load_preset(name: str, cfg: dict | None = None) -> dict:
     return preset
 
 
+# No track is longer, and an estimate's work grows with the segment (2**40 samples: hours of tracing).
+MAX_SEGMENT_SECONDS = 600
+
+
 def check_preset(preset: dict, source: str | Path) -> None:
+    """Cross-field checks the schema cannot express, each one the model, loss or trace would
+    otherwise fail on with a traceback."""
     audio, model, train = preset["audio"], preset["model"], preset["train"]
+    train["betas"] = [float(b) for b in train["betas"]]   # torch's AdamW refuses betas [0, 0.999]
     if audio["hop"] > audio["n_fft"]:
         raise ConfigError(f"{source}: audio.hop: {audio['hop']} exceeds audio.n_fft {audio['n_fft']}")
     if audio["segment_samples"] < audio["n_fft"]:
         raise ConfigError(f"{source}: audio.segment_samples: {audio['segment_samples']} is shorter "
                           f"than audio.n_fft {audio['n_fft']}")
+    if audio["segment_samples"] > MAX_SEGMENT_SECONDS * audio["sample_rate"]:
+        raise ConfigError(f"{source}: audio.segment_samples: {audio['segment_samples']} is longer than "
+                          f"{MAX_SEGMENT_SECONDS // 60} minutes at audio.sample_rate {audio['sample_rate']}")
     if model["attention_dim"] % model["n_heads"]:
         raise ConfigError(f"{source}: model.attention_dim: {model['attention_dim']} is not divisible "
                           f"by model.n_heads {model['n_heads']}")
@@ -367,8 +397,18 @@ def check_preset(preset: dict, source: str | Path) -> None:
     if model["emb_dim"] % model["norm_groups"]:
         raise ConfigError(f"{source}: model.norm_groups: {model['norm_groups']} does not divide "
                           f"model.emb_dim {model['emb_dim']}")
+    if model["conv_kernel"] < model["conv_stride"]:
+        raise ConfigError(f"{source}: model.conv_kernel: {model['conv_kernel']} is smaller than "
+                          f"model.conv_stride {model['conv_stride']}")
     if train["augment"]["gain_min"] > train["augment"]["gain_max"]:
         raise ConfigError(f"{source}: train.augment.gain_min: above gain_max")
+    resolutions = train["loss"]["stft_resolutions"]
+    if resolutions == [] and train["loss"]["stft_l1"] > 0:
+        raise ConfigError(f"{source}: train.loss.stft_resolutions: empty while train.loss.stft_l1 > 0 "
+                          "(null = the preset's own)")
+    for i, (size, hop) in enumerate(resolutions or []):
+        if hop > size:
+            raise ConfigError(f"{source}: train.loss.stft_resolutions[{i}]: hop {hop} exceeds n_fft {size}")
 
 
 def deep_merge(base: dict, override: dict) -> dict:
