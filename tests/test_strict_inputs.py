@@ -73,6 +73,8 @@ CASES = [
     ("set-segment-exponent", estimate("--set", "audio.segment_samples=1.6e4"), 2,
      ["audio.segment_samples", "16000.0 is not of type 'integer'"]),
     ("set-batch-bool", estimate("--set", "train.batch_size=true"), 2, ["train.batch_size", "not of type 'integer'"]),
+    ("set-key-with-a-line-break", estimate("--set", 'model.dropout={"a\\x1db": .nan}'), 2,
+     ["model.dropout.a\\x1db", "finite"]),
     ("set-not-yaml", estimate("--set", "train.lr=[1,"), 2, ["--set", "train.lr", "not a YAML value"]),
     ("preset-segment-float", ["estimate", "--preset", "{tmp}/float_segment.yaml", "--method", "analytic",
                               "--device", "cpu", "--out", "{tmp}/e.json"], 2,
