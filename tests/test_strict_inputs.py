@@ -104,6 +104,8 @@ CASES = [
     ("fit-budget-text", fit("--budget", "lots"), 2, ["argument --budget", "not a finite number"]),
     *[(f"prepare-sample-rate-{rate}", ["prepare", "--out", "{tmp}/prepared", "--sample-rate", rate], 2,
        ["argument --sample-rate", "out of range", "audio.sample_rate"]) for rate in ("0", "1", "-8000")],
+    ("separate-seed-beyond-64-bits", ["separate", "--model", "{tmp}/m.pt", "--out", "{tmp}/s", "--seed", str(2**64),
+                                      "{tmp}/song.wav"], 2, ["argument --seed", "64-bit"]),
     ("train-attempt-0", ["train", "--preset", "cpu_tiny", "--data", "{tmp}/d", "--out", "{tmp}/t",
                          "--attempt", "0"], 2, ["argument --attempt", ">= 1"]),
     ("fit-nothing-fits", fit("--budget", "0.001"), 3, ["nothing fits", "cpu_tiny"]),

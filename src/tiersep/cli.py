@@ -59,6 +59,8 @@ def _schema_number(schema_name: str, dotted: str, kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{C._short(text)} is not {what} ({allowed})") from None
+        if kind is int and not -2**63 <= value < 2**63:   # as in a config (C._check_numbers)
+            raise argparse.ArgumentTypeError(f"{C._short(value)} is too large (beyond a 64-bit integer)")
         if not math.isfinite(value) or (low is not None and value < low) or \
                 (high is not None and value > high) or (above is not None and value <= above):
             raise argparse.ArgumentTypeError(f"{value} is out of range ({what} {allowed}, as {dotted} in "
