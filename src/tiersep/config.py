@@ -332,6 +332,7 @@ def check_config(cfg: dict) -> None:
     if synth["valid_tracks"] >= synth["train_tracks"]:
         raise ConfigError(f"{source}: data.synthetic.valid_tracks: must be below train_tracks "
                           f"({synth['train_tracks']})")
+    _check_tier_names(cfg)
     for name in all_preset_names(cfg):
         load_preset(name, cfg)
 
@@ -341,6 +342,32 @@ def all_preset_names(cfg: dict) -> list[str]:
     if cfg.get("sweep"):
         names += [p for p in cfg["sweep"]["presets"] if p not in names]
     return names
+
+
+def is_preset_file(entry: str) -> bool:
+    """Whether a tier entry is a path to a preset YAML rather than a preset name."""
+    return entry.endswith((".yaml", ".yml")) or "/" in entry
+
+
+def tier_name(entry: str) -> str:
+    """The name a tier entry goes by in results/ and the report: a preset name as it is, a preset
+    file by its stem (`tiers: [my/fast.yaml]` trains results/train/fast)."""
+    return Path(entry).stem if is_preset_file(entry) else entry
+
+
+def tier_names(entries: list[str]) -> list[str]:
+    return [tier_name(entry) for entry in entries]
+
+
+def _check_tier_names(cfg: dict) -> None:
+    """Two different tier entries must not share a name (two files with one stem, or a file named
+    like a preset)."""
+    seen: dict[str, str] = {}
+    for entry in list(cfg["tiers"]) + list(cfg["estimate_tiers"]):
+        other = seen.setdefault(tier_name(entry), entry)
+        if other != entry:
+            raise ConfigError(f"{cfg.get('_source', 'config')}: tiers: {other!r} and {entry!r} would both "
+                              f"be the tier {tier_name(entry)!r} in results/; rename one preset file")
 
 
 SHIPPED_PRESETS = resource_dir("presets")
@@ -357,7 +384,12 @@ def preset_path(name: str, cfg: dict | None = None) -> Path:
     presets_dir = Path(cfg["presets_dir"]) if cfg else Path("config/presets")
     path = presets_dir / f"{name}.yaml"
     shipped = SHIPPED_PRESETS / f"{name}.yaml"
-    return shipped if not path.is_file() and shipped.is_file() else path
+    if path.is_file() or shipped.is_file():
+        return path if path.is_file() else shipped
+    # a tier the config lists as a preset file, called by its tier name (the workflow's jobs do)
+    files = [e for e in (cfg or {}).get("tiers", []) + (cfg or {}).get("estimate_tiers", [])
+             if is_preset_file(e) and tier_name(e) == name]
+    return Path(files[0]) if files else path
 
 
 def load_preset(name: str, cfg: dict | None = None) -> dict:

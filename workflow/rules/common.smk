@@ -59,8 +59,12 @@ def _trials():
 
 
 TRIALS = _trials()  # sweep trial name -> (preset name, {field: value})
-TRAINED = list(CFG["tiers"]) + [t for t in TRIALS if t not in CFG["tiers"]]
-ESTIMATED = TRAINED + [t for t in CFG["estimate_tiers"] if t not in TRAINED]
+# Tier names as results/ knows them: a tier listed as a preset file goes by its stem
+TIERS = tiersep_config.tier_names(CFG["tiers"])
+TRAINED = TIERS + [t for t in TRIALS if t not in TIERS]
+ESTIMATED = TRAINED + [
+    t for t in tiersep_config.tier_names(CFG["estimate_tiers"]) if t not in TRAINED
+]
 
 
 def base_preset_name(name):

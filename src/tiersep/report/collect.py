@@ -308,11 +308,11 @@ def tier_names(cfg: dict, results_dir: Path) -> list[tuple[str, str]]:
             seen.add(name)
             rows.append((name, kind))
 
-    for name in cfg["tiers"]:
+    for name in C.tier_names(cfg["tiers"]):
         add(name, "tier")
     for name in _sweep_trials(cfg):
         add(name, "trial")
-    for name in cfg["estimate_tiers"]:
+    for name in C.tier_names(cfg["estimate_tiers"]):
         add(name, "estimate")
     found = {p.stem for p in (results_dir / "vram").glob("*.json")}
     for stage in ("train", "eval"):
