@@ -118,7 +118,7 @@ def estimate_device(cfg: dict, name: str, preset: dict, wanted: str | None) -> s
     wanted = wanted or cfg["estimate"]["device"]
     if wanted != "auto":
         return wanted
-    trained = name in cfg["tiers"] or (cfg.get("sweep") and name in expand_trials(cfg))
+    trained = name in cfg["tiers"] + C.tier_names(cfg["tiers"]) or (cfg.get("sweep") and name in expand_trials(cfg))
     if not trained:
         return "cuda"
     train_device = preset["train"]["device"]
