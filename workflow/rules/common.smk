@@ -108,7 +108,11 @@ def estimate_bytes(path, *keys):
     record = estimate_of(path)
     for key in keys:
         value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and 0 < value < float("inf")
+        ):
             return value
     return 0
 
@@ -126,7 +130,10 @@ def train_outcome(preset):
     if not isinstance(outcome, dict) or "status" not in outcome:
         # damaged: the tier is not evaluated (the report shows its records); rerun its train job
         # with `snakemake --forcerun <path>` to replace it
-        print(f"tiersep: {path}: not a train outcome record; {preset} is not evaluated", file=sys.stderr)
+        print(
+            f"tiersep: {path}: not a train outcome record; {preset} is not evaluated",
+            file=sys.stderr,
+        )
         return {"status": "damaged"}
     return outcome
 
