@@ -23,8 +23,10 @@ trace runs on fake CPU tensors. Two layers correct where CPU and CUDA differ in 
 kernel allocates that the CPU kernel does not, and the order of its outputs: cuDNN convolution
 workspaces, cuBLAS workspaces (one per thread that runs a GEMM: the main thread and autograd's
 device thread), cuFFT's input clones, col2im/im2col's input-sized outputs, native_dropout's mask
-before its output, and the in-place gradient accumulation of autograd's InputBuffer (fake tensors
-are tensor subclasses, for which autograd never accumulates in place).
+before its output, the in-place gradient accumulation of autograd's InputBuffer (fake tensors
+are tensor subclasses, for which autograd never accumulates in place), the softmax kernels' own
+temporaries (cuda/SoftMax.cu: the backward's `grad * output`, contiguous copies of their inputs) and
+the contiguous copies cuBLAS GEMMs make of operands whose strides it cannot take (cuda/Blas.cpp).
 """
 from __future__ import annotations
 
@@ -231,7 +233,11 @@ def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0):
 
 
 def math_attention_cuda(q, k, v, dropout_p: float, scale: float | None):
-    """at::_scaled_dot_product_attention_math as it runs on CUDA (fused native_dropout)."""
+    """at::_scaled_dot_product_attention_math as it runs on CUDA (transformers/attention.cpp, torch
+    2.11): fp16/bf16 q, k, v are copied to fp32 first (allowFP16BF16ReductionMathSDP is off by
+    default), so the scores, _safe_softmax (fp32 in, fp32 accumulation) and dropout (at::dropout is
+    the fused native_dropout on CUDA) are fp32 whatever the autocast dtype. What a fake tensor does
+    not see is in CudaKernelMemory: softmax's backward temporary and cuBLAS's operand copies."""
     origin = q.dtype
     if origin in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -401,6 +407,27 @@ def _fft_needs_copy(shape, strides, dims) -> bool:
     return not _collapsible([shape[d] for d in batch], [strides[d] for d in batch])
 
 
+def _batch_matrix_copied(t: torch.Tensor, transposed: bool, m: int, n: int) -> bool:
+    """prepare_batch_matrix_for_cublas: whether cuBLAS gets a contiguous clone of batch matrix `t`."""
+    st = t.stride()
+    fast, lead = (2, 1) if transposed else (1, 2)
+    if st[fast] == 1 and st[lead] >= max(1, m):
+        return False
+    if st[lead] == 1 and st[fast] >= max(1, n):
+        return False
+    return not (t.is_contiguous() and st[1] != 0 and st[2] != 0)
+
+
+def _matrix_copied(t: torch.Tensor) -> bool:
+    """prepare_matrix_for_cublas: whether cuBLAS gets a contiguous clone of matrix `t`."""
+    import torch._prims_common as prims
+
+    if prims.is_non_overlapping_and_dense_or_false(t):
+        return False
+    (s0, s1), (n0, n1) = t.stride(), t.shape
+    return not ((s0 == 1 and s1 >= max(1, n0)) or (s1 == 1 and s0 >= max(1, n1)))
+
+
 def _conv_bytes(x, w, y) -> tuple[int, int, int]:
     return _nbytes(x), _nbytes(w), _nbytes(y)
 
@@ -448,6 +475,10 @@ class CudaKernelMemory:
             "col2im": self._col2im, "im2col": self._im2col,
             "add": self._add,
             "_safe_softmax": self._safe_softmax,
+            "_softmax": self._softmax, "_log_softmax": self._softmax,
+            "_softmax_backward_data": self._softmax_backward, "_log_softmax_backward_data": self._softmax_backward,
+            "bmm": self._bmm, "baddbmm": self._bmm,
+            "mm": self._mm, "addmm": self._mm,
         }
 
     def __call__(self, func, args, kwargs, outputs, tracker):
@@ -458,11 +489,20 @@ class CudaKernelMemory:
             thread = "autograd thread" if _in_backward() else "main thread"
             if thread not in self.workspaces_created:
                 self.workspaces_created.append(thread)
-                # the handle is created after the output is allocated, and keeps its workspace
-                plan = (plan or [("out", i) for i in range(len(outputs))]) + [
-                    ("alloc", f"cublas workspace ({thread})", self.cublas_workspace_bytes,
-                     f"<cublas workspace: {thread}>")]
+                # the handle is created after the output and the operand copies are allocated (the
+                # GEMM call asks for it), and keeps its workspace
+                plan = plan or [("out", i) for i in range(len(outputs))]
+                at = next((i for i, step in enumerate(plan) if step[0] == "free"), len(plan))
+                plan.insert(at, ("alloc", f"cublas workspace ({thread})", self.cublas_workspace_bytes,
+                                 f"<cublas workspace: {thread}>"))
         return plan
+
+    @staticmethod
+    def _temporaries(plan, named_sizes):
+        """Book kernel-local tensors: allocated in order, freed in reverse (C++ scope exit)."""
+        named = [(name, n) for name, n in named_sizes if n > 0]
+        plan += [("alloc", name, n, f"<{name}>") for name, n in named]
+        return plan + [("free", name) for name, _ in reversed(named)]
 
     @staticmethod
     def _native_dropout(func, args, kwargs, outputs):
@@ -546,13 +586,77 @@ class CudaKernelMemory:
         x, y = args[0], outputs[0]
         rows = list(x.shape)
         rows[args[1] % x.dim()] = 1
-        plan = [("alloc", "softmax", _nbytes(y), "<softmax>"),
-                ("alloc", "-inf", 4, "<scalar>"),
+        plan = [("alloc", "softmax", _nbytes(y), "<softmax>")]
+        if not x.is_contiguous():   # host_softmax: input.contiguous()
+            plan += [("alloc", "softmax input", _nbytes(x), "<softmax: contiguous input>"),
+                     ("free", "softmax input")]
+        plan += [("alloc", "-inf", 4, "<scalar>"),
                 ("alloc", "masked", x.numel(), "<softmax: self == -inf>"),
                 ("alloc", "masked rows", math.prod(rows), "<softmax: masked rows>"),
                 ("alloc", "zero", y.element_size(), "<scalar>"),
                 ("out", 0)]
         return plan + [("free", name) for name in ("zero", "masked rows", "masked", "-inf", "softmax")]
+
+    def _softmax(self, func, args, kwargs, outputs):
+        """softmax_cuda_out / log_softmax_cuda_out (cuda/SoftMax.cu host_softmax): the output is
+        allocated first (a structured kernel), then input.contiguous() for the kernel."""
+        x = args[0]
+        return self._temporaries([("out", 0)], [("softmax input copy", 0 if x.is_contiguous() else _nbytes(x))])
+
+    def _softmax_backward(self, func, args, kwargs, outputs):
+        """softmax_backward_cuda_out: `Tensor tmp = grad * output;` (a full-size temporary in the
+        promoted dtype, fp32 on the math SDPA path) handed to host_softmax_backward, which takes
+        tmp.contiguous() and output.contiguous(); log_softmax's backward passes grad itself."""
+        grad, out = args[0], args[1]
+        temps = []
+        if func._opname == "_softmax_backward_data":
+            dtype = torch.promote_types(grad.dtype, out.dtype)
+            shape = torch.broadcast_shapes(grad.shape, out.shape)
+            temps.append(("softmax backward grad * output", math.prod(shape) * dtype.itemsize))
+            # tmp takes grad's layout (TensorIterator): a copy when that is not contiguous
+            temps.append(("softmax backward tmp copy", 0 if grad.is_contiguous() else math.prod(shape) * dtype.itemsize))
+        else:
+            temps.append(("log_softmax backward grad copy", 0 if grad.is_contiguous() else _nbytes(grad)))
+        temps.append(("softmax backward output copy", 0 if out.is_contiguous() else _nbytes(out)))
+        return self._temporaries([("out", 0)], temps)
+
+    def _bmm(self, func, args, kwargs, outputs):
+        """baddbmm_out_cuda_impl (cuda/Blas.cpp): cuBLAS's strided-batched GEMM takes each matrix with
+        one unit stride and a leading dimension at least its extent; a result or operand that does
+        not qualify is cloned contiguous first (the result copied back), a copy no fake tensor sees."""
+        if func._opname == "bmm":
+            b1, b2 = args[0], args[1]
+        else:
+            b1, b2 = args[1], args[2]
+        result = outputs[0]
+        if result.numel() == 0 or b1.shape[2] == 0:
+            return [("out", 0)]
+        rs, rz = result.stride(), result.shape
+        temps = []
+        if rs[1] == 1 and (rz[2] == 1 or rs[2] >= max(1, rz[1])):
+            transposed = False
+        elif rs[2] == 1 and (rz[1] == 1 or rs[1] >= max(1, rz[2])):
+            transposed = True
+        else:
+            transposed = False
+            temps.append(("bmm result copy", _nbytes(result)))
+        lead = 1 if transposed else 2
+        m, n = rz[2 if transposed else 1], rz[lead]
+        k = (b2 if transposed else b1).shape[lead]
+        first, second = (b2, b1) if transposed else (b1, b2)
+        temps.append(("bmm operand copy 1", _nbytes(first) if _batch_matrix_copied(first, transposed, m, k) else 0))
+        temps.append(("bmm operand copy 2", _nbytes(second) if _batch_matrix_copied(second, transposed, k, n) else 0))
+        return self._temporaries([("out", 0)], temps)
+
+    def _mm(self, func, args, kwargs, outputs):
+        """addmm_out_cuda_impl / cublasCommonArgs (cuda/Blas.cpp): an operand that is neither dense
+        nor a matrix with one unit stride is cloned contiguous; with a contiguous result the GEMM
+        runs transposed, so mat2 is prepared first."""
+        mat1, mat2 = (args[0], args[1]) if func._opname == "mm" else (args[1], args[2])
+        first, second = (mat2, mat1) if outputs[0].is_contiguous() else (mat1, mat2)
+        temps = [(f"mm operand copy {i}", _nbytes(t) if _matrix_copied(t) else 0)
+                 for i, t in enumerate((first, second), 1)]
+        return self._temporaries([("out", 0)], temps)
 
     @staticmethod
     def _add(func, args, kwargs, outputs):

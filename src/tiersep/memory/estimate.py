@@ -14,6 +14,9 @@ memory the allocator holds cached beyond the live tensors).
 `compiled`: whether the figure is for the step of the torch.compile'd model (memory/compiled.py),
 as the trainer runs it when the preset compiles on `device`; `compiled_note` says why, or why the
 compiled trace fell back to the eager figure (an upper bound: compiling only lowers the peak).
+`uncertainty` (cuda trace): that of the estimate's class (attention kernel, checkpointing, allocator
+mode, eager or compiled step) from the GPU evidence (memory/accuracy.py), named in
+`uncertainty_class` and `uncertainty_evidence`; the gate books peak_bytes x (1 + uncertainty).
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import time
 
 import torch
 
-from . import analytic, calibration, cpu_process
-from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY, CUDA_UNCERTAINTY
+from . import accuracy, analytic, calibration, cpu_process
+from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY
 from .cuda_model import modelled_backend
 from .trace import trace_step
 from tiersep.device import planned_allocator
@@ -68,6 +71,10 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "allocator": ({"expandable_segments": planned_allocator(preset)["expandable_segments"]}
                       if device == "cuda" else None),
     }
+    if device == "cuda" and method == "trace":
+        cls = accuracy.estimate_class(record)
+        record["uncertainty"], record["uncertainty_evidence"] = accuracy.uncertainty(cls)
+        record["uncertainty_class"] = cls
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
 
 
@@ -79,10 +86,13 @@ def with_booking(record: dict, preset: dict) -> dict:
 
 
 def required_bytes(record: dict) -> int:
-    """What the fit gate books for an estimate: on CUDA the predicted device use (peak_bytes); on
+    """What the fit gate books for an estimate: on CUDA the predicted device use (peak_bytes) times
+    (1 + the uncertainty of its class), so that a class known to err is never trusted as exact; on
     CPU the predicted peak RSS of the whole train process (memory.cpu_process)."""
     if record["device"] == "cpu" and record.get("cpu_process"):
         return int(record["cpu_process"]["rss_bytes"])
+    if record["device"] == "cuda":
+        return int(round(record["peak_bytes"] * (1 + float(record.get("uncertainty") or 0.0))))
     return int(record["peak_bytes"])
 
 
@@ -139,11 +149,18 @@ def _why_eager(preset: dict, device: str, compiled: bool) -> str | None:
         return (", checkpointed: the eager step, although the compiled run may need more: the compiled "
                 "trace is not trusted with checkpointing (it predicted 0.56x a real compiled CPU step, "
                 "which took 2.0x the eager peak: bench/results/compiled_estimate_cpu.md)")
-    if device == "cuda":
+    if device == "cuda" and not accuracy.has_evidence(dict(_planned_class(preset), step="compiled")):
         return (": the eager step, an upper bound of the compiled one where measured (0.63-0.77x on CPU, "
                 "0.74x for MERL's model on an H100); the compiled trace is used on CUDA once it is "
-                "checked against a GPU's compiled step (memory/compiled.py)")
+                "checked against a GPU's compiled step (memory/compiled.py, bench/gpu_evidence.py)")
     return None
+
+
+def _planned_class(preset: dict) -> dict:
+    """The accuracy class a CUDA estimate of `preset` will have, before it is traced."""
+    return accuracy.estimate_class({"attention_backend": modelled_backend(preset, "cuda"),
+                                    "checkpointing": preset["model"]["checkpointing"],
+                                    "allocator": planned_allocator(preset)})
 
 
 def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = False) -> dict:
@@ -152,7 +169,7 @@ def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = Fa
     live = sum(breakdown.values())
     if device == "cuda":
         peak, overhead_detail = _device_peak(r.reserved_peak, live, cal)
-        uncertainty = CUDA_UNCERTAINTY
+        uncertainty = None    # the class's (estimate(), memory/accuracy.py)
     else:
         peak = r.allocated_peak
         overhead_detail = {}

@@ -3,8 +3,9 @@
 The trainer calls `gate()` before it allocates anything on the device. The budget is what the
 trainer hands in: on CUDA the configured budget_gib capped by the GPU's free memory; on CPU the
 machine's available RAM (psutil). What it books is the estimate's `gate_required_bytes`
-(estimate.required_bytes): the predicted device use on CUDA, the predicted RSS of the whole
-train process on CPU (memory.cpu_process).
+(estimate.required_bytes): on CUDA the predicted device use times (1 + the uncertainty of the
+estimate's class, memory/accuracy.py), on CPU the predicted RSS of the whole train process
+(memory.cpu_process); then the safety margin of the budget on top.
 """
 from __future__ import annotations
 
@@ -37,10 +38,15 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
         return estimate
     needed, margin = estimate["gate_required_bytes"], estimate["margin_bytes"]
     cpu = estimate.get("cpu_process") if device_type == "cpu" else None
-    what = (f"estimated peak {needed / GIB:.2f} GiB ({estimate['method']}, {device_type}"
-            + (f", {estimate['peak_bytes'] / GIB:.2f} GiB live tensors booked as {cpu['model']}" if cpu else "")
-            + f", {estimate.get('attention_backend')} attention) + {safety_margin:.0%} margin "
-            f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
+    if cpu:
+        what = (f"estimated peak {needed / GIB:.2f} GiB ({estimate['method']}, {device_type}, "
+                f"{estimate['peak_bytes'] / GIB:.2f} GiB live tensors booked as {cpu['model']}, ")
+    else:
+        what = (f"estimated peak {estimate['peak_bytes'] / GIB:.2f} GiB ({estimate['method']}, {device_type}, "
+                + (f"+{estimate['uncertainty']:.1%} uncertainty of its class: booked {needed / GIB:.2f} GiB, "
+                   if needed != estimate["peak_bytes"] else ""))
+    what += (f"{estimate.get('attention_backend')} attention) + {safety_margin:.0%} margin "
+             f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
     suggestion = fitted = None
     try:
         from .fit import fit

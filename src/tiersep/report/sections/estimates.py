@@ -40,6 +40,21 @@ def _device_model(tier: Tier) -> str:
     return "; ".join(parts) or MISSING
 
 
+def _uncertainty(tier: Tier) -> str:
+    """e.g. "±1.5 % (fused, native, eager)": what the gate books on top of the peak, and the class
+    whose GPU evidence it comes from (memory/accuracy.py); "no evidence" where none exists."""
+    estimate = tier.estimate or {}
+    value = estimate.get("uncertainty")
+    if value is None:
+        return MISSING
+    cls = estimate.get("uncertainty_class")
+    if not isinstance(cls, dict):
+        return f"±{float(value) * 100:.1f} %"
+    ckpt = ", checkpointed" if cls.get("checkpointing") else ""
+    none = "; no evidence" if "no GPU measurement" in str(estimate.get("uncertainty_evidence")) else ""
+    return f"±{float(value) * 100:.1f} % ({cls.get('attention')}{ckpt}, {cls.get('allocator')}, {cls.get('step')}{none})"
+
+
 HYPHENATED = {"activations": "acti\u00advations", "optimizer": "opti\u00admizer", "gradients": "gradi\u00adents"}
 ESTIMATE_COLUMNS = [
     Column("Estimate", "Method (device)", _method, numeric=False),
@@ -51,7 +66,7 @@ ESTIMATE_COLUMNS = [
     Column("Peak", "Estimated peak", lambda t: format_bytes(t.estimated_peak)),
     Column("Peak", "Gate books", _estimate_field("gate_required_bytes", format_bytes), optional=True),
     Column("Peak", "Largest allo\u00adcation", _estimate_field("largest_allocation_bytes", format_bytes)),
-    Column("Peak", "Uncer\u00adtainty", _estimate_field("uncertainty", lambda v: f"±{float(v) * 100:.1f} %")),
+    Column("Peak", "Uncer\u00adtainty", _uncertainty, numeric=False),
     Column("Budget", "Budget", lambda t: format_bytes((t.estimate or {}).get("budget_bytes"))
            if (t.estimate or {}).get("budget_bytes") is not None else str((t.estimate or {}).get("budget") or MISSING)),
     Column("Budget", "Kept free", _estimate_field("margin_bytes", format_bytes)),

@@ -1,0 +1,79 @@
+"""How far a CUDA trace estimate can be trusted: the uncertainty of its class, from GPU evidence.
+
+A class is what changes how the trace can err: the attention kernel (fused or math), activation
+checkpointing, the caching allocator's mode (native or expandable segments) and the step (eager or
+compiled). The evidence is the CI accuracy test's data, real GPU measurements compared with the
+estimate (tests/test_memory_cuda_accuracy.py); `python -m tiersep.memory.evidence --write` turns it
+into accuracy_evidence.json, read here, and into the table in docs/memory.md.
+
+A class with evidence gets the accuracy target the test holds every configuration to (1.5%), or
+its worst device-use error when that is larger (a known gap, a strict xfail in the test). A class
+never measured on a GPU gets NO_EVIDENCE_UNCERTAINTY, and its record says so.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+EVIDENCE_FILE = Path(__file__).with_name("accuracy_evidence.json")
+CLASS_KEYS = ("attention", "checkpointing", "allocator", "step")
+# What the accuracy test holds reserved and device use to, for every configuration.
+TARGET = 0.015
+# A class no GPU has measured: the uncertainty of the analytic closed form (analytic.UNCERTAINTY).
+# The trace's rules were each modelled after an H100 showed the gap; before the last ones a math
+# step was 9-12% under, so a class never checked is not trusted within 1.5%.
+NO_EVIDENCE_UNCERTAINTY = 0.10
+
+
+def estimate_class(record: dict) -> dict:
+    """The class of a CUDA estimate record (its attention_backend, checkpointing, allocator and
+    compiled fields)."""
+    allocator = record.get("allocator") or {}
+    return {"attention": "math" if record.get("attention_backend") == "math" else "fused",
+            "checkpointing": bool(record.get("checkpointing")),
+            "allocator": "expandable" if allocator.get("expandable_segments") else "native",
+            "step": "compiled" if record.get("compiled") else "eager"}
+
+
+def class_label(cls: dict) -> str:
+    """e.g. "fused attention, checkpointed, native allocator, eager step"."""
+    return (f"{cls['attention']} attention, {'checkpointed' if cls['checkpointing'] else 'no checkpointing'}, "
+            f"{cls['allocator']} allocator, {cls['step']} step")
+
+
+def class_key(cls: dict) -> tuple:
+    return tuple(cls[k] for k in CLASS_KEYS)
+
+
+def uncertainty_of_errors(device_errors: list[float]) -> float:
+    """A class's uncertainty from its configurations' device-use errors (rounded up to 0.1%)."""
+    worst = max((abs(e) for e in device_errors), default=0.0)
+    return max(TARGET, math.ceil(round(worst * 1000, 6)) / 1000)
+
+
+@functools.lru_cache(maxsize=1)
+def load_evidence(path: Path = EVIDENCE_FILE) -> dict:
+    """accuracy_evidence.json by class key; {} when it is missing (every class then has none)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    return {class_key(entry["class"]): entry for entry in data["classes"]}
+
+
+def uncertainty(cls: dict) -> tuple[float, str]:
+    """(the uncertainty to book for class `cls`, one line saying what it rests on)."""
+    entry = load_evidence().get(class_key(cls))
+    if entry is None:
+        return NO_EVIDENCE_UNCERTAINTY, (f"no GPU measurement of this class ({class_label(cls)}): booked "
+                                         f"conservatively at {NO_EVIDENCE_UNCERTAINTY:.0%}")
+    errors = [c["device_error"] for c in entry["configurations"]]
+    return entry["uncertainty"], (f"{len(errors)} GPU measurement{'s' * (len(errors) != 1)} of this class "
+                                  f"({class_label(cls)}): device use {min(errors):+.2%}..{max(errors):+.2%} "
+                                  f"(docs/memory.md, accuracy by class)")
+
+
+def has_evidence(cls: dict) -> bool:
+    return class_key(cls) in load_evidence()

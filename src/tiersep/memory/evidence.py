@@ -1,0 +1,227 @@
+"""The accuracy evidence: CUDA estimates against real GPU measurements, by class.
+
+Reads the measurement folders (tests/data/gpu/<gpu>-<date>/, the shared measurement format: one
+JSON object per line with preset, set, max_memory_allocated, max_memory_reserved, device_used_bytes;
+`PYTORCH_CUDA_ALLOC_CONF` says the allocator mode, `compiled` a torch.compile'd step), estimates
+every configuration as the measured run ran it (the model of the measured commit, read from git;
+that GPU's calibration) and compares allocated, reserved and device use. The CI accuracy test runs
+exactly this; `--write` stores the per-class result the estimate books (accuracy_evidence.json) and
+the table of docs/memory.md, `--check` says whether both are current.
+
+    python -m tiersep.memory.evidence --check | --write [--data tests/data/gpu]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import accuracy
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA_ROOT = ROOT / "tests" / "data" / "gpu"
+DOC = ROOT / "docs" / "memory.md"
+BEGIN, END = "<!-- accuracy-by-class: begin (python -m tiersep.memory.evidence --write) -->", \
+    "<!-- accuracy-by-class: end -->"
+# Folders measured before measurement folders carried a manifest.json (their README says so).
+LEGACY = {"h100-2026-11-22": {"commit": "e74010960b93", "gpu": "NVIDIA H100 80GB HBM3"}}
+MEASURED = ("preset", "set", "max_memory_allocated", "max_memory_reserved", "device_used_bytes")
+ALLOCATED_TOLERANCE, RESERVED_TOLERANCE = 0.005, accuracy.TARGET
+
+
+def manifest(folder: Path) -> dict:
+    """What a measurement folder was measured with: commit, gpu, calibration file, dry_run."""
+    path = folder / "manifest.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return LEGACY.get(folder.name, {})
+
+
+def load_rows(root: Path = DATA_ROOT) -> list[dict]:
+    """Every measured configuration under `root` (dry runs left out: they measured no GPU)."""
+    rows = []
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+        info = manifest(folder)
+        if info.get("dry_run") or "commit" not in info:
+            continue
+        for path in sorted(folder.glob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line) if line.strip() else {}
+                if not all(k in row for k in MEASURED) or row.get("dry_run"):
+                    continue   # speed.jsonl and the like, or not a GPU measurement
+                conf = row.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+                calibration = folder / info["calibration"] if info.get("calibration") else None
+                rows.append(dict(row, folder=folder.name, source=path.name,
+                                 expandable_segments="expandable_segments:True" in conf,
+                                 compiled=bool(row.get("compiled")), commit=row.get("commit", info["commit"]),
+                                 calibration=str(calibration) if calibration else row.get("gpu", info["gpu"])))
+    return rows
+
+
+def row_id(row: dict) -> str:
+    return f"{row['name']}-{'exp' if row['expandable_segments'] else 'native'}" + \
+        ("-compiled" if row["compiled"] else "") + \
+        ("" if row["folder"] in LEGACY else f"@{row['folder']}")
+
+
+def preset_of(row: dict) -> dict:
+    from tiersep import config as C
+
+    preset = C.load_preset(row["preset"], {"presets_dir": str(ROOT / "config" / "presets")})
+    for key, value in row["set"].items():
+        preset = C.set_field(preset, key, value)
+    preset = C.set_field(preset, "train.cuda_expandable_segments", row["expandable_segments"])
+    return C.validate(preset, "preset.schema.yaml", f"{row['folder']}/{row['source']}: {row['name']}")
+
+
+@contextlib.contextmanager
+def measured_model(commit: str):
+    """tiersep.model's build_model and build_loss as they were at `commit` (what the GPU ran), and no
+    PYTORCH_CUDA_ALLOC_CONF of this shell (the allocator mode is the preset's)."""
+    import tiersep.model
+    from tiersep.model.at_revision import model_at
+
+    package = model_at(commit, ROOT)
+    saved = tiersep.model.build_model, tiersep.model.build_loss, os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    tiersep.model.build_model, tiersep.model.build_loss = package.build_model, package.build_loss
+    try:
+        yield
+    finally:
+        tiersep.model.build_model, tiersep.model.build_loss = saved[:2]
+        if saved[2] is not None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved[2]
+
+
+def estimate_row(row: dict) -> dict:
+    """The figures the estimate gives for a measured configuration. A compiled row is the compiled
+    trace's (what the estimate books once such evidence exists: estimate._why_eager)."""
+    from .estimate import estimate
+    from .trace import trace_step
+
+    preset = preset_of(row)
+    with measured_model(row["commit"]):
+        record = estimate(preset, "trace", "cuda", calibration_spec=row["calibration"], compiled=False)
+        if row["compiled"]:
+            r = trace_step(preset, "cuda", workspace_bytes=record["overhead_detail"]["cublas_workspace"],
+                           expandable_segments=row["expandable_segments"], compiled=True)
+            record = dict(record, allocated_peak_bytes=r.allocated_peak, reserved_peak_bytes=r.reserved_peak,
+                          peak_bytes=r.reserved_peak + record["calibration"]["context_bytes"], compiled=True)
+    return record
+
+
+CHECKS = (("allocated", "allocated_peak_bytes", "max_memory_allocated", ALLOCATED_TOLERANCE),
+          ("reserved", "reserved_peak_bytes", "max_memory_reserved", RESERVED_TOLERANCE),
+          ("device", "peak_bytes", "device_used_bytes", RESERVED_TOLERANCE))
+
+
+def compare(row: dict, record: dict) -> dict:
+    """{what: (measured, predicted, error, within tolerance)} for allocated, reserved, device use."""
+    out = {}
+    for what, key, measured_key, tolerance in CHECKS:
+        measured, predicted = row[measured_key], record[key]
+        error = predicted / measured - 1
+        out[what] = (measured, predicted, error, abs(error) <= tolerance)
+    return out
+
+
+def table(row: dict, checks: dict) -> str:
+    lines = [f"{row['name']} ({row['folder']}/{row['source']}, "
+             f"{'expandable segments' if row['expandable_segments'] else 'native'}, {row['steps']} steps):",
+             f"  {'quantity':<12} {'measured':>16} {'predicted':>16} {'error':>9}"]
+    for what, (measured, predicted, error, ok) in checks.items():
+        lines.append(f"  {what:<12} {measured:>16,} {predicted:>16,} {error:>+9.3%}{'' if ok else '  <- out of bounds'}")
+    return "\n".join(lines)
+
+
+def build(rows: list[dict], records: dict) -> dict:
+    """The per-class evidence from measured rows and their estimate records (by row_id)."""
+    classes: dict = {}
+    for row in rows:
+        record = records[row_id(row)]
+        cls = accuracy.estimate_class(record)
+        errors = {what: round(err, 5) for what, (_, _, err, _) in compare(row, record).items()}
+        classes.setdefault(accuracy.class_key(cls), {"class": cls, "configurations": []})["configurations"].append(
+            {"name": row["name"], "measured": f"{row['folder']}/{row['source']}",
+             "allocated_error": errors["allocated"], "reserved_error": errors["reserved"],
+             "device_error": errors["device"]})
+    out = []
+    for key in sorted(classes, key=str):
+        entry = classes[key]
+        entry["uncertainty"] = accuracy.uncertainty_of_errors([c["device_error"] for c in entry["configurations"]])
+        out.append(entry)
+    return {"note": "Generated by `python -m tiersep.memory.evidence --write` from the CI accuracy test's data "
+                    "(tests/data/gpu); do not edit.",
+            "target": accuracy.TARGET, "no_evidence_uncertainty": accuracy.NO_EVIDENCE_UNCERTAINTY, "classes": out}
+
+
+def render(evidence: dict) -> str:
+    """The docs/memory.md table: every class, its evidence and the uncertainty the gate books."""
+    import itertools
+
+    by_key = {accuracy.class_key(e["class"]): e for e in evidence["classes"]}
+    lines = [BEGIN, "| attention | checkpointing | allocator | step | configurations measured | device use | "
+                    "reserved | allocated | booked uncertainty |", "|---|---|---|---|---|---:|---:|---:|---:|"]
+    for att, ckpt, alloc, step in itertools.product(("fused", "math"), (False, True), ("native", "expandable"),
+                                                    ("eager", "compiled")):
+        cls = {"attention": att, "checkpointing": ckpt, "allocator": alloc, "step": step}
+        entry = by_key.get(accuracy.class_key(cls))
+        head = f"| {att} | {'yes' if ckpt else 'no'} | {alloc} | {step} |"
+        if entry is None:
+            lines.append(f"{head} none | | | | {evidence['no_evidence_uncertainty']:.1%} (no evidence) |")
+            continue
+        configs = entry["configurations"]
+
+        def span(key, digits=2):
+            values = [c[key] for c in configs]
+            lo, hi = (f"{v:+.{digits}%}" for v in (min(values), max(values)))
+            return f"{lo}..{hi}" if len(values) > 1 else lo
+        names = "; ".join(c["name"] for c in configs)
+        lines.append(f"{head} {len(configs)}: {names} | {span('device_error')} | {span('reserved_error')} | "
+                     f"{span('allocated_error', 3)} | {entry['uncertainty']:.1%} |")
+    return "\n".join(lines + [END])
+
+
+def doc_block(text: str) -> str | None:
+    """The generated table as it stands in docs/memory.md, or None when the markers are missing."""
+    if BEGIN not in text or END not in text:
+        return None
+    return text[text.index(BEGIN):text.index(END) + len(END)]
+
+
+def records_of(rows: list[dict]) -> dict:
+    return {row_id(row): estimate_row(row) for row in rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DATA_ROOT, help="measurement folders (default tests/data/gpu)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--write", action="store_true", help="write accuracy_evidence.json and the docs table")
+    what.add_argument("--check", action="store_true", help="exit 1 when either is out of date")
+    args = parser.parse_args(argv)
+    rows = load_rows(args.data)
+    evidence = build(rows, records_of(rows))
+    text = json.dumps(evidence, indent=1) + "\n"
+    doc = DOC.read_text()
+    if doc_block(doc) is None:
+        print(f"error: {DOC}: the markers of the accuracy table are missing ({BEGIN})", file=sys.stderr)
+        return 2
+    if args.write:
+        from tiersep.io import write_text
+
+        write_text(accuracy.EVIDENCE_FILE, text)
+        write_text(DOC, doc.replace(doc_block(doc), render(evidence)))
+        print(f"wrote {accuracy.EVIDENCE_FILE} and the table in {DOC} ({len(rows)} configurations)")
+        return 0
+    stale = [str(p) for p, ok in ((accuracy.EVIDENCE_FILE, accuracy.EVIDENCE_FILE.is_file() and
+                                   accuracy.EVIDENCE_FILE.read_text() == text),
+                                  (DOC, doc_block(doc) == render(evidence))) if not ok]
+    print("stale: " + ", ".join(stale) if stale else "current")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
