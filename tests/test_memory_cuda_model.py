@@ -316,3 +316,43 @@ def test_derived_micro_batches_match_traced_ones(fields, monkeypatch):
     (alloc1, reserved1, n1), (alloc2, reserved2, n2) = results
     assert (n1, n2) == (1, 2)
     assert alloc1 == pytest.approx(alloc2, rel=1e-3) and reserved1 == pytest.approx(reserved2, rel=1e-3)
+
+
+def test_softmax_backward_holds_grad_times_output_while_it_runs():
+    """softmax_backward_cuda_out (cuda/SoftMax.cu) computes `grad * output` into a temporary of the
+    gradient's size after allocating its result, and frees it on return: on the math SDPA path, the
+    fp32 scores' size (`small bf16 math`: 1.45 GB in the freq path, the step's allocated peak)."""
+    with FakeTensorMode():
+        scores = torch.empty(16, 4, 513, 513, requires_grad=True)
+        grad = torch.empty(16, 4, 513, 513)
+        events = _backward_events(lambda: torch._safe_softmax(scores, -1).backward(grad))
+    n = cuda_block_bytes(scores.numel() * 4)
+    assert [(s, size, op) for s, size, op in events if size == n][:3] == [
+        (1, n, "_softmax_backward_data.default"), (1, n, "<softmax backward grad * output>"),
+        (-1, n, "<softmax backward grad * output>")]
+
+
+def test_bmm_copies_only_the_operands_cublas_cannot_take():
+    """baddbmm_out_cuda_impl (cuda/Blas.cpp): a batch matrix with a unit stride and a wide enough
+    leading dimension goes to cuBLAS as it is (a transpose is a flag); one with neither is cloned
+    contiguous first, inside the op, and freed after the GEMM."""
+    with FakeTensorMode():
+        a = torch.empty(8, 64, 32)
+        b = torch.empty(8, 16, 32).transpose(1, 2)          # [8, 32, 16], a transposed view: no copy
+        strided = torch.empty(8, 64, 64)[:, ::2, ::2]       # [8, 32, 32], no unit stride: a copy
+        plain = _trace(lambda: torch.bmm(a, b), workspace=0)
+        copied = _trace(lambda: torch.bmm(a, strided), workspace=0)
+    assert [op for s, _, op in plain] == ["bmm.default"]
+    assert [(s, n, op) for s, n, op in copied] == [
+        (1, cuda_block_bytes(8 * 64 * 32 * 4), "bmm.default"),
+        (1, cuda_block_bytes(8 * 32 * 32 * 4), "<bmm operand copy 1>"),
+        (-1, cuda_block_bytes(8 * 32 * 32 * 4), "<bmm operand copy 1>")]
+
+
+def test_mm_copies_a_matrix_with_no_unit_stride():
+    with FakeTensorMode():
+        a = torch.empty(64, 128)[:, ::2]                   # [64, 64], strides (128, 2): a copy
+        w = torch.empty(64, 32)
+        events = _trace(lambda: a @ w, workspace=0)
+    copies = [(s, n) for s, n, op in events if op.startswith("<mm operand copy")]
+    assert copies == [(1, cuda_block_bytes(64 * 64 * 4)), (-1, cuda_block_bytes(64 * 64 * 4))]
