@@ -16,6 +16,8 @@ the two models compute the same function (weights copied across; eval-mode outpu
 then times a full training step (forward, loss, backward, AdamW; fp32). Ours runs with
 attention_backend auto and with math (the SDPA kernel the reference's flags select on a CPU).
 
+With --compile, our model and the reference each run eagerly and under torch.compile.
+
 --tiers times our step on the real CPU tiers (config/presets/cpu_tiny.yaml, cpu_small.yaml; stereo,
 their batch size). --compile adds our model under torch.compile (inductor, fullgraph, through
 tiersep.model.compile.compile_model); the loss and AdamW stay eager, as in training.
@@ -389,6 +391,13 @@ def compiled_runner(model: nn.Module, preset: dict, batch_size: int, channels: i
     return runner
 
 
+def reference_compiled_runner(reference: nn.Module, preset: dict, batch_size: int, args) -> StepRunner:
+    """The reference under plain torch.compile (args.compile_mode), as speed.jsonl's compiled MERL row."""
+    model = copy.deepcopy(reference).to(args.device)
+    return StepRunner(model, preset, batch_size, 1, args.device, call=torch.compile(model, mode=args.compile_mode),
+                      compiled=True)
+
+
 def shrunk_presets() -> list[tuple[str, dict, int]]:
     """(label, preset, batch size): two tiers cut to CPU size, mono, 4 sources."""
     def make(name, audio, model, dropout):
@@ -428,6 +437,7 @@ def compare_with_reference(args) -> None:
                    "tiersep eager (math)": StepRunner(ours_math, preset, batch_size, 1, args.device)}
         if args.compile:
             runners["tiersep compiled (auto)"] = compiled_runner(ours, preset, batch_size, 1, args)
+            runners["reference compiled"] = reference_compiled_runner(reference, preset, batch_size, args)
         print_table(measure(runners, args.steps), args.markdown)
 
 

@@ -1,0 +1,73 @@
+"""bench/gpu_evidence.py's dry run: the GPU evidence plan on a CPU (no GPU figure comes out)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiersep.memory import evidence
+from tiersep.memory.allocator import load_event_log
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "gpu_evidence.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_evidence", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dry_folder(tmp_path_factory):
+    """The command as a user runs it, in dry mode: every job in its own process, the event logs,
+    calibrate, the skipped compiled and MERL jobs (the measure jobs run in-process below)."""
+    out = tmp_path_factory.mktemp("evidence")
+    done = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--out", str(out), "--only", "events",
+                           "calibrate", "compiled", "merl"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    folders = list(out.iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("cpu-dry-run-")
+    return folders[0], done.stdout
+
+
+def test_the_plan_covers_every_open_question(bench):
+    jobs = {(j["name"], j["kind"], j["mode"]) for j in bench.plan(type("A", (), {
+        "commit": "x", "dry_run": False, "reference": None})())}
+    for name in ("small bf16 math", "small fp32 math", "memory_optimized b2 ckpt"):
+        assert (name, "events", "native") in jobs                   # the allocator's own sequence
+    for name in ("small bf16 math", "small fp32 math"):
+        assert {(name, "measure", "native"), (name, "measure", "expandable")} <= jobs
+    assert {("small compiled", "compiled", "native"), ("small compiled", "compiled", "expandable")} <= jobs
+    assert {("calibrate", "calibrate", "native"), ("merl", "merl", "native")} <= jobs
+
+
+def test_a_dry_run_writes_the_shared_format_and_says_what_it_skipped(bench, dry_folder):
+    folder, printed = dry_folder
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["dry_run"] is True and manifest["gpu"] is None
+    status = {(j["name"], j["kind"]): j for j in manifest["jobs"]}
+    for name in ("small bf16 math", "small fp32 math", "memory_optimized b2 ckpt"):
+        assert status[(name, "events")]["status"] == "ok"
+        log = load_event_log(folder / "events" / f"{bench._slug(name)}.events.json.gz")
+        assert log.result["dry_run"] is True and log.events and log.events[0][0] == "alloc"
+    for key in (("calibrate", "calibrate"), ("small compiled", "compiled"), ("merl", "merl")):
+        assert status[key]["status"] == "skipped" and status[key]["why"]       # said, never passed
+    assert "skipped: dry run: tiersep calibrate needs CUDA" in printed
+    assert evidence.load_rows(folder.parent) == []                  # a dry run is no evidence
+
+
+def test_a_measure_job_writes_a_row_the_evidence_could_read(bench, tmp_path):
+    job = dict(bench.plan(type("A", (), {"commit": "c0ffee", "dry_run": True, "reference": None})())[6])
+    assert (job["name"], job["kind"], job["mode"]) == ("small bf16 math", "measure", "expandable")
+    row = bench.run_job(job, tmp_path)["row"]
+    assert row["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and row["commit"] == "c0ffee"
+    assert row["preset"] == "cpu_tiny" and row["stands_for"] == "small" and row["dry_run"] is True
+    assert row["cpu_live_peak_bytes"] > 0 and "max_memory_allocated" not in row     # no GPU counter
+    assert row["tiersep_trace_estimate"]["attention_backend"] == "math"
