@@ -138,14 +138,30 @@ def estimate_budget(cfg: dict, device: str, override_gib: float | None) -> int |
 
 
 def cmd_estimate(args, cfg):
+    names = args.preset or []
+    if not names:
+        raise C.ConfigError("--preset: required (one preset, or several with an --out holding {preset})")
+    if len(names) > 1 and "{preset}" not in args.out:
+        raise C.ConfigError(f"--out {args.out}: with several --preset, a path holding {{preset}} (e.g. "
+                            "results/vram/{preset}.json): one record per preset")
     if args.inference:
+        if len(names) > 1:
+            raise C.ConfigError("--inference: one --preset at a time")
+        args.preset, args.out = names[0], args.out.replace("{preset}", C.tier_name(names[0]))
         return cmd_estimate_inference(args, cfg)
+    # several presets in one process: the imports and torch's start are paid once (issue 24)
+    for name in names:
+        _estimate_one(args, cfg, name, args.out.replace("{preset}", C.tier_name(name)))
+    return 0
+
+
+def _estimate_one(args, cfg, name: str, out: str) -> None:
     from tiersep.io import write_json
     from tiersep.memory import estimate
     from tiersep.records import validate_record
 
-    preset = resolve_preset(args.preset, cfg, args.set)
-    device = estimate_device(cfg, args.preset, preset, args.device)
+    preset = resolve_preset(name, cfg, args.set)
+    device = estimate_device(cfg, name, preset, args.device)
     method = args.method or cfg["estimate"]["method"]
     if method == "measure" and device == "cuda":
         import torch
@@ -164,12 +180,11 @@ def cmd_estimate(args, cfg):
     )
     if device == "cuda" and args.budget is None and cfg["budget_gib"] == "auto":
         record["budget"] = "auto (checked at train time)"
-    write_json(args.out, validate_record("estimate", record, args.out))
+    write_json(out, validate_record("estimate", record, out))
     gib = record["peak_bytes"] / 2**30
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
     print(f"{preset['name']}: peak {gib:.2f} GiB ({record['method']}, {record['device']}, "
-          f"{record['attention_backend']} attention) -> {verdict}; wrote {args.out}")
-    return 0
+          f"{record['attention_backend']} attention) -> {verdict}; wrote {out}")
 
 
 def cmd_fit(args, cfg):
@@ -313,8 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("estimate", cmd_estimate, "Estimate the peak memory of one training step of a preset and "
             "judge it against the budget; writes the results/vram JSON record.")
-    add_preset(p)
-    p.add_argument("--out", required=True, help="output JSON, e.g. results/vram/NAME.json")
+    p.add_argument("--preset", action="append", metavar="NAME", help="preset name in the config's presets_dir, "
+                   "a preset YAML path, or a sweep trial; repeatable: several presets in one process (issue 24)")
+    p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one preset field (repeatable), e.g. --set train.lr=1e-3")
+    p.add_argument("--out", required=True, help="output JSON, e.g. results/vram/NAME.json "
+                   "(results/vram/{preset}.json with several --preset: one record each)")
     p.add_argument("--method", choices=["trace", "analytic", "measure"],
                    help="trace: one real step on fake tensors (default from config); analytic: closed form; "
                    "measure: real steps on the device present")

@@ -2,6 +2,7 @@
 # the `config` rule writes the merged result that every job reads.
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -73,6 +74,12 @@ def base_preset_name(name):
 
 def preset_file(wildcards):
     return str(tiersep_config.preset_path(base_preset_name(wildcards.preset), CFG))
+
+
+def preset_files(names):
+    return [
+        str(tiersep_config.preset_path(base_preset_name(name), CFG)) for name in names
+    ]
 
 
 def preset_of(name):

@@ -144,6 +144,10 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     tracker = (CompiledStepTracker if compiled else StorageTracker)(
         cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
     tracker.recording = False
+    # FakeTensorMode caches op results across instances; a cache hit builds a compact storage for a
+    # view (hann_window's periodic narrow), so a trace after another would book less than the same
+    # trace in a fresh process. Every trace starts from an empty cache, as a fresh process does.
+    FakeTensorMode.cache_clear()
 
     with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
