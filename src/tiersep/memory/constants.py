@@ -11,7 +11,8 @@ GIB = 2**30
 # The parts of an estimate's peak_bytes, in the order the report shows them.
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
 
-# Relative uncertainty stated with each trace estimate: what the accuracy record against real
-# measurements supports (README, "Estimator accuracy"), not a safety margin.
+# Relative uncertainty stated with a trace estimate: what the accuracy record against real
+# measurements supports, not a safety margin. A CUDA training estimate states its class's instead
+# (memory/accuracy.py, from the GPU evidence); this one is the inference estimate's (memory/inference.py).
 CUDA_UNCERTAINTY = 0.015
 CPU_UNCERTAINTY = 0.03
