@@ -63,3 +63,15 @@ def test_the_cpu_booking_is_unchanged():
     cpu = estimate(C.load_preset("cpu_tiny"), "trace", "cpu", budget_bytes=64 * GIB)
     assert "uncertainty_class" not in cpu
     assert cpu["gate_required_bytes"] == cpu["cpu_process"]["rss_bytes"]
+
+
+def test_the_report_shows_the_uncertainty_with_its_class(record):
+    from tiersep.report.collect import Tier
+    from tiersep.report.sections.estimates import _uncertainty
+
+    u = record["uncertainty"] * 100
+    assert _uncertainty(Tier("cpu_tiny", "tier", estimate=record)) == f"±{u:.1f} % (fused, expandable, eager)"
+    unknown = dict(record, uncertainty=0.1, uncertainty_class=dict(record["uncertainty_class"], step="compiled"),
+                   uncertainty_evidence="no GPU measurement of this class (...): booked conservatively at 10%")
+    assert _uncertainty(Tier("x", "tier", estimate=unknown)) == "±10.0 % (fused, expandable, compiled; no evidence)"
+    assert _uncertainty(Tier("cpu", "tier", estimate={"uncertainty": 0.03})) == "±3.0 %"      # cpu: no class
