@@ -204,8 +204,9 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
     micro-batch's first event, its forward's last event, and the update's first event. A copy has
     the first one's allocations under new keys, except that a new gradient is freed right after it
     is made (AccumulateGrad adds it into .grad in place, where the first micro-batch's became .grad)
-    and the cuBLAS workspaces exist already. What a micro-batch leaves alive besides gradients (its
-    estimates and loss, which train_step's next assignments drop) is freed after the next forward."""
+    and the cuBLAS workspaces exist already. What a micro-batch leaves alive besides gradients (the
+    running loss; train_step drops its estimates before the update's first op) is freed after the
+    next forward."""
     start, forward_end, update = marks
     window, phases = tl.events[start:update], tl.phases[start:update]
     born = {k for k, s in window if s > 0}

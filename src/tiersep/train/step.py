@@ -51,7 +51,15 @@ def train_step(
             estimates = model(mixture)
         loss = loss_fn(estimates.float(), stems) / n
         loss.backward()
+        # Drop this micro-batch's estimates and autograd graph now, not when the next forward
+        # reassigns them: the graph's hundreds of small C++ nodes, made between the activations,
+        # fence the heap holes those leave, and on a CPU with glibc's malloc the next micro-batch's
+        # activations (posix_memalign asks 96 bytes more than an exact hole) could not reuse them:
+        # each accumulating step grew by a micro-batch's heap (issue 21, docs/memory.md). Estimates
+        # first, before any op: the trace ends a micro-batch at the first op after backward.
+        del estimates
         total = loss.detach() if total is None else total + loss.detach()
+        del loss
     params = [p for p in model.parameters() if p.grad is not None]
     clip = preset["train"]["clip"]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"),
