@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import signal
 import subprocess
@@ -94,7 +93,8 @@ def songs(tmp_path_factory) -> Path:
 
 
 def run(ws: dict, *args: str, model: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(model or ws["model"]), *args]
+    cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(model or ws["model"]),
+           "--device", "cpu", *args]                  # the CPU, GPU or not: budgets here are host RAM
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -232,7 +232,8 @@ def test_a_tight_budget_gives_a_shorter_chunk_and_the_process_stays_under_it(ws,
     budget_gib = (shortest + longest) / 2 / 0.92 / 2**30
     out = tmp_path / "out"
     cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]),
-           str(songs / "nested" / "stereo 44k.flac"), "--out", str(out), "--budget", f"{budget_gib:.6f}", "--chunk", "10"]
+           str(songs / "nested" / "stereo 44k.flac"), "--out", str(out), "--budget", f"{budget_gib:.6f}", "--chunk", "10",
+           "--device", "cpu"]
     with open(tmp_path / "log", "w+") as log:
         measured = measure_peak_rss(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, log=log, timeout=300)
         log.seek(0)
@@ -240,6 +241,8 @@ def test_a_tight_budget_gives_a_shorter_chunk_and_the_process_stays_under_it(ws,
     assert measured["returncode"] == 0, text[-3000:]
     record = sidecar(out, "stereo 44k")
     assert 8000 <= record["chunk_samples"] < 80000
+    # the longest chunk fits only with the CPU gate's tight malloc mode, which the process applied
+    assert record["memory"]["malloc"]["mode"] == "tuned" and record["memory"]["malloc"]["applied"]
     assert measured["peak_rss_bytes"] < budget_gib * 2**30          # the whole process, exit included
     assert record["memory"]["measured_peak_bytes"] < record["memory"]["budget_bytes"]
 
@@ -388,7 +391,7 @@ def test_a_killed_run_leaves_no_stem_and_the_next_run_cleans_up(ws, tmp_path):
     sf.write(long_song, np.random.default_rng(0).standard_normal((8000 * 120, 2)).astype(np.float32) * 0.1, 8000)
     out = tmp_path / "out"
     cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]), str(long_song),
-           "--out", str(out), "--chunk", "1", "--batch", "1"]
+           "--out", str(out), "--chunk", "1", "--batch", "1", "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     deadline = time.time() + 120
@@ -403,3 +406,13 @@ def test_a_killed_run_leaves_no_stem_and_the_next_run_cleans_up(ws, tmp_path):
     assert "removed" in again.stderr and "temporary file(s) a killed job left" in again.stderr
     assert not temporaries(out) and sf.info(str(out / "long" / "vocals.wav")).frames == 8000 * 120
 
+
+
+def test_stems_in_an_output_folder_inside_the_input_folder_are_not_songs(ws, songs, tmp_path):
+    music = tmp_path / "music"
+    music.mkdir()
+    (music / "a.wav").write_bytes((songs / "short.wav").read_bytes())
+    for _ in range(2):                                  # the second run finds a/ stems under music/
+        proc = run(ws, str(music), "--out", str(music / "separated"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "separated 1 song(s)" in proc.stdout

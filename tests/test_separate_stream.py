@@ -134,6 +134,21 @@ def test_inference_trace_of_cuda_replays_the_allocator():
     assert traced.kernels                            # SDPA modelled as a fused CUDA kernel
 
 
+def test_a_cuda_inference_estimate_books_the_device_use_with_the_calibrated_context():
+    from tiersep.memory.inference import estimate_inference
+    from tiersep.records import validate_record
+
+    preset = C.load_preset("cpu_small")
+    record = validate_record("estimate", estimate_inference(preset, "cuda", 20000, 2, budget_bytes=2**30), "test")
+    context = record["calibration"]["context_bytes"]
+    assert record["peak_bytes"] == record["reserved_peak_bytes"] + context
+    # never measured on a GPU: booked with the uncertainty of a class without evidence
+    assert record["uncertainty"] == 0.10 and "no GPU measurement" in record["uncertainty_evidence"]
+    assert record["gate_required_bytes"] == round(record["peak_bytes"] * 1.10)
+    assert record["breakdown"]["overhead"] == record["peak_bytes"] - record["allocated_peak_bytes"]
+    assert record["fits"] is True and "cpu_process" not in record
+
+
 def test_plan_takes_the_longest_chunk_and_largest_batch_that_fit():
     preset = C.load_preset("cpu_tiny")
     cpu = torch.device("cpu")

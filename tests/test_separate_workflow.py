@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ def test_the_separate_target_separates_every_song_with_every_trained_tier(tmp_pa
     sf.write(songs / "album" / "first song.wav", 0.1 * rng.standard_normal((44100 * 2, 2)), 44100)
     sf.write(songs / "second.flac", 0.1 * rng.standard_normal((22050 * 3, 1)), 22050)
     (work / "separate.yaml").write_text(yaml.safe_dump(
-        {"separate": {"inputs": [str(songs)], "tiers": ["test_tiny"], "chunk_seconds": 1.0}}))
+        {"separate": {"inputs": [str(songs)], "tiers": ["test_tiny"], "chunk_seconds": 1.0, "device": "cpu"}}))
     configs = ["--configfile", "tests/configs/tiny.yaml", "separate.yaml"]
 
     plan = run_snakemake(work, "-n", *configs).stdout          # the default target is unchanged

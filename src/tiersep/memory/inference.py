@@ -11,8 +11,10 @@ host and dropped.
 
 On a CPU, what `tiersep separate` books is the whole process's peak RSS, as the CPU fit gate books
 a train process (memory.cpu_process): the measured process allowance, plus the live tensor bytes of
-a call times a factor (malloc's slack around tensors freed and made again every call), plus the
-host buffers of the stream (memory bounded by the chunk, not the song: separate/plan.py).
+a call times the factor of a malloc mode (malloc's slack around tensors freed and made again every
+call), plus the host buffers of the stream (memory bounded by the chunk, not the song:
+separate/plan.py). On CUDA the gate books the device use x (1 + uncertainty), and no GPU has measured
+separation yet: the uncertainty is that of a class without evidence (memory/accuracy.py).
 """
 from __future__ import annotations
 
@@ -24,17 +26,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import allocator, calibration, cpu_process
-from .constants import CPU_UNCERTAINTY, CUDA_UNCERTAINTY
+from .accuracy import NO_EVIDENCE_UNCERTAINTY
+from .constants import CPU_UNCERTAINTY
 from .cuda_model import CudaEmulation, CudaKernelMemory, modelled_backend
 from .estimate import finish
 from .trace import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, _emulated, _move_order, _peak_from, repeat_steps
 from .tracker import StorageTracker, cpu_block_bytes, cuda_block_bytes
 from tiersep.device import planned_allocator
 
-# Whole-process RSS above the allowance, per live tensor byte of a model call, with glibc's malloc
-# as it comes: 0.75-1.01x measured over chunks of 1-20 s of cpu_tiny and cpu_small (bench/separate.py,
-# bench/results/separate_cpu.md); booked at 1.25.
-LIVE_FACTOR = 1.25
+# Whole-process RSS per live tensor byte of a model call above the allowance, in each malloc mode of
+# the CPU gate (cpu_process): glibc's malloc as it comes, booked at the gate's 1.40 (a separation
+# process grew 1.2-1.3x the live bytes from a 1 s to a 10 s x 4 chunk batch of cpu_tiny, its peak
+# moving by +-4% between identical runs), and tuned (a 64 KiB mmap threshold: freed tensors go back
+# to the kernel), booked at the gate's 1.10 (it grew 0.6x, and a 10-minute song peaked within 1 MiB
+# of a 1-minute one). bench/separate.py, bench/results/separate_cpu.md.
+FACTORS = {"glibc_default": cpu_process.GLIBC_DEFAULT_FACTOR, "tuned": cpu_process.LIVE_FACTOR}
 
 
 @dataclass
@@ -145,7 +151,10 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
                       "transient": 0, "overhead": int(peak - live)},
         "io_bytes": r.io_bytes, "peak_op": r.peak_op,
         "attention_backend": max(r.kernels, key=r.kernels.get) if r.kernels else modelled_backend(preset, device),
-        "uncertainty": CUDA_UNCERTAINTY if device == "cuda" else CPU_UNCERTAINTY,
+        "uncertainty": NO_EVIDENCE_UNCERTAINTY if device == "cuda" else CPU_UNCERTAINTY,
+        "uncertainty_evidence": (f"no GPU measurement of separation (a forward in inference mode) yet: booked "
+                                 f"conservatively at {NO_EVIDENCE_UNCERTAINTY:.0%}" if device == "cuda" else
+                                 "the CPU trace counts a real call's live bytes (tests/test_separate_stream.py)"),
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
         "allocator": {"expandable_segments": expandable} if device == "cuda" else None,
         "notes": r.notes, "torch": torch.__version__,
@@ -156,11 +165,16 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
 
 
 def cpu_booking(live_bytes: int, host_bytes: int) -> dict:
-    """The predicted peak RSS of a `tiersep separate` process on a CPU (see module docstring)."""
+    """The predicted peak RSS of a `tiersep separate` process on a CPU in each malloc mode (see
+    module docstring), shaped as the CPU gate's booking: estimate.finish picks glibc's own malloc
+    when its booking fits the budget, else the tuned one (cpu_process.choose_malloc), and the
+    separation applies that mode (cpu_process.configure_malloc)."""
     allowance = cpu_process.process_allowance()
     process = int(allowance["process_bytes"])
-    rss = int(process + LIVE_FACTOR * live_bytes + host_bytes)
-    return {"rss_bytes": rss, "live_bytes": int(live_bytes), "host_bytes": int(host_bytes),
-            "process_bytes": process, "live_factor": LIVE_FACTOR,
-            "process_source": allowance["source"],
-            "model": f"{process // 2**20} MiB process + {LIVE_FACTOR} x live tensor bytes + stream buffers"}
+    booked = {"live_bytes": int(live_bytes), "host_bytes": int(host_bytes), "process_bytes": process,
+              "process_source": allowance["source"], "malloc_setting": "auto"}
+    for mode, factor in FACTORS.items():
+        booked[mode] = {"rss_bytes": int(process + factor * live_bytes + host_bytes), "live_factor": factor,
+                        "model": f"{process // 2**20} MiB process + {factor} x live tensor bytes + stream "
+                                 f"buffers, {cpu_process.MODES[mode]}"}
+    return cpu_process.choose_malloc(booked, None, 0.0)

@@ -56,15 +56,21 @@ def song_name(path: Path) -> str:
     return path.stem or name
 
 
-def find_songs(inputs: list[str]) -> list[Path]:
-    """The audio files of `inputs` (files as given, folders searched recursively, sorted), each once.
-    A missing input or a folder without audio files is a ConfigError (one line)."""
+def find_songs(inputs: list[str], skip: Path | None = None) -> list[Path]:
+    """The audio files of `inputs` (files as given, folders searched recursively, sorted), each once,
+    none from inside `skip` (the output folder: earlier stems are not songs). A missing input, an
+    unreadable folder or a folder without audio files is a ConfigError (one line)."""
     songs: list[Path] = []
+    skip = os.path.realpath(skip) + os.sep if skip is not None else None
     for given in inputs:
         path = Path(given).expanduser()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file()
-                           and not p.name.startswith("."))
+            try:
+                found = sorted(p for p in path.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file()
+                               and not p.name.startswith(".")
+                               and not (skip and os.path.realpath(p).startswith(skip)))
+            except OSError as err:
+                raise ConfigError(f"INPUT {given}: cannot read it ({err.strerror or err})") from None
             if not found:
                 raise ConfigError(f"INPUT {given}: a folder without audio files (looked for "
                                   f"{', '.join(SUFFIXES)}, in subfolders too)")

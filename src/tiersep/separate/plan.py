@@ -23,7 +23,7 @@ from tiersep.evaluate.separate import overlap_samples, plan_chunks
 from tiersep.memory.constants import GIB
 
 BYTES = 4                  # float32 samples
-BLOCK_FRAMES = 1 << 16     # decoded and written per block, at the song's rate
+BLOCK_FRAMES = 1 << 16     # frames per block: decoded (song rate), and separated stems handed on (model rate)
 
 
 @dataclass
@@ -62,33 +62,43 @@ def budget_for(device: torch.device, override_gib: float | None, calibration_spe
     return int(psutil.virtual_memory().available), "available RAM (psutil)"
 
 
-def host_bytes(channels: int, n_src: int, chunk: int, batch: int, hop: int, shifts: int, rate_ratio: float) -> int:
-    """Host memory of the stream around the model calls, by what each stage keeps (float32):
-    per pass the input kept for the next chunks and its copy, the chunks of a batch and their stack,
-    and the overlap-add buffer spanning a batch of hops and a chunk, three times over (the buffer,
-    a weighted estimate and the finished block); per song the decoded and resampled blocks and the
-    stems' blocks at the song's rate, in and out of each stage."""
+def host_bytes(channels: int, n_src: int, chunk: int, batch: int, hop: int, shifts: int, rate_ratio: float,
+               two_stem: bool) -> int:
+    """Host memory of the stream around the model calls, by what each stage holds at most (float32
+    samples; r = the song's rate over the model's, or its inverse, whichever is larger):
+    - per pass (OverlapAdd, model rate): the input kept for the next chunks and its copy, a batch of
+      chunks and their stack, and the overlap-add buffer spanning a batch of hops and a chunk three
+      times (the buffer, a weighted estimate, the finished span); with shifts, the passes' finished
+      spans waiting to be averaged;
+    - per song: a decoded block in three forms (bytes, view, copy) and resampled with its copy; the
+      stems of a block through the resampler back (its input, its buffer and copy) and at the song's
+      rate three times (resampled, channel-averaged or clipped, laid out for the encoder); in
+      two-stem mode the decoded mixture waiting for its stems (a span and a block at the song's rate)."""
     span = batch * hop + chunk
-    per_pass = 2 * channels * (chunk + BLOCK_FRAMES) + 2 * channels * chunk * batch + 3 * n_src * channels * span
-    block = int(BLOCK_FRAMES * max(1.0, rate_ratio))
-    song = 4 * (n_src + 2) * channels * block + 2 * channels * span
-    return BYTES * (shifts * per_pass + (shifts > 1) * 2 * n_src * channels * span + song)
+    block = BLOCK_FRAMES
+    r = max(rate_ratio, 1.0 / rate_ratio)
+    per_pass = 2 * channels * (chunk + block) + 2 * channels * chunk * batch + 3 * n_src * channels * span
+    averaging = (shifts > 1) * 2 * n_src * channels * span
+    song = (3 * channels * block + 2 * channels * block * r + 3 * n_src * channels * block
+            + 3 * n_src * channels * block * r + two_stem * channels * (span + block) * r)
+    return int(BYTES * (shifts * per_pass + averaging + song))
 
 
 def estimate_for(preset: dict, device: torch.device, chunk: int, batch: int, budget: int | None,
-                 safety_margin: float, overlap: float, shifts: int, rate_ratio: float, calibration_spec: str) -> dict:
+                 safety_margin: float, overlap: float, shifts: int, rate_ratio: float, calibration_spec: str,
+                 two_stem: bool = False) -> dict:
     """The inference estimate of one chunk size and batch, with the stream's host buffers."""
     from tiersep.memory.inference import estimate_inference
 
     n_src, channels = len(preset["model"]["sources"]), preset["audio"]["channels"]
     hop = chunk - overlap_samples(chunk, overlap)
     return estimate_inference(preset, device.type, chunk, batch, budget, safety_margin, calibration_spec,
-                              host_bytes(channels, n_src, chunk, batch, hop, shifts, rate_ratio))
+                              host_bytes(channels, n_src, chunk, batch, hop, shifts, rate_ratio, two_stem))
 
 
 def choose(preset: dict, device: torch.device, budget: int, budget_source: str, safety_margin: float,
            max_chunk: int, min_chunk: int, max_batch: int, overlap: float, shifts: int,
-           longest_samples: int, rate_ratio: float, calibration_spec: str) -> Plan:
+           longest_samples: int, rate_ratio: float, calibration_spec: str, two_stem: bool = False) -> Plan:
     """The plan for these settings (see module docstring); DoesNotFit when nothing fits."""
     min_chunk = min(min_chunk, max_chunk)
     tried, cache = [], {}
@@ -96,7 +106,7 @@ def choose(preset: dict, device: torch.device, budget: int, budget_source: str, 
     def estimate(chunk: int, batch: int) -> dict:
         if (chunk, batch) not in cache:
             record = estimate_for(preset, device, chunk, batch, budget, safety_margin, overlap, shifts,
-                                  rate_ratio, calibration_spec)
+                                  rate_ratio, calibration_spec, two_stem)
             cache[chunk, batch] = record
             tried.append({"chunk_samples": chunk, "batch": batch,
                           "required_bytes": record["gate_required_bytes"], "fits": record["fits"]})

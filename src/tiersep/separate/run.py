@@ -32,6 +32,7 @@ from .stems import SongFiles
 
 TEMPLATE_FIELDS = ("song", "songext", "stem", "ext")
 SIDECAR = {"stem": "separate", "ext": "json"}     # the sidecar's path: the template with these
+SIDECAR_KEY = "<sidecar>"                          # its entry among a song's output paths
 
 
 class SongsFailed(ConfigError):
@@ -120,38 +121,20 @@ def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Modu
 def separate(cfg: dict, opts: Options) -> dict:
     """Separate every song of opts.inputs into opts.out (see module docstring); returns the summary."""
     check_options(opts)
-    songs = find_songs(opts.inputs)
+    songs = find_songs(opts.inputs, skip=opts.out)
     check(opts.out, "separate")                        # a refused folder before any work
     model, preset, step = load_separator(opts.model, opts.preset)
     sources = list(preset["model"]["sources"])
     if opts.stems is not None and opts.stems not in sources:
         raise ConfigError(f"--stems {opts.stems}: this model separates {', '.join(sources)}")
     names = [opts.stems, complement_name(opts.stems)] if opts.stems else sources
-    ext = opts.format
-
-    failures, infos, paths, owners = {}, {}, {}, {}
-    for song in songs:
-        try:
-            infos[song] = probe(song)
-        except SongError as err:
-            failures[song] = str(err)
-            print(f"tiersep separate: failed: {err}", file=sys.stderr)
-            continue
-        name, suffix = song_name(song), song.name[len(song_name(song)):].lstrip(".")
-        wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, ext) for stem in names}
-        wanted["\0sidecar"] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
-        clash = next((owners[p] for p in wanted.values() if p in owners), None)
-        if clash is not None:
-            failures[song] = f"{song}: its outputs are those of {clash} too (--filename {opts.filename!r}); rename one"
-            del infos[song]
-            continue
-        owners.update({p: song for p in wanted.values()})
-        paths[song] = wanted
+    infos, paths, failures = _probe_songs(songs, opts, names)
     if not infos:
         raise _failed(failures, len(songs))
 
     rate = preset["audio"]["sample_rate"]
     device, plan = _plan(cfg, opts, preset, infos)
+    malloc = _apply_malloc(plan)
     model = model.to(device)
     print(f"tiersep separate: {preset['name']} on {device.type}: chunk {plan.chunk_samples / rate:g} s x batch "
           f"{plan.batch}, estimated peak {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB within "
@@ -166,7 +149,8 @@ def separate(cfg: dict, opts: Options) -> dict:
     with exclusive(out), tqdm(total=len(infos), desc=f"separate {preset['name']}", unit="song") as overall:
         for song, info in infos.items():
             try:
-                records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_))
+                records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
+                                         malloc))
             except (SongError, OSError) as err:
                 failures[song] = _one_line(err, song)
                 tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
@@ -179,6 +163,31 @@ def separate(cfg: dict, opts: Options) -> dict:
     return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
 
 
+def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[dict, dict, dict]:
+    """(song -> AudioInfo, song -> {stem: final path, SIDECAR_KEY: path}, song -> failure) for the
+    songs ffmpeg can read and whose output paths no earlier song has taken."""
+    infos, paths, failures, owners = {}, {}, {}, {}
+    for song in songs:
+        try:
+            info = probe(song)
+        except SongError as err:
+            failures[song] = str(err)
+            print(f"tiersep separate: failed: {err}", file=sys.stderr)
+            continue
+        name = song_name(song)
+        suffix = song.name[len(name):].lstrip(".")
+        wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, opts.format) for stem in names}
+        wanted[SIDECAR_KEY] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
+        clash = next((owners[p] for p in wanted.values() if p in owners), None)
+        if clash is not None:
+            failures[song] = f"{song}: its outputs are those of {clash} too (--filename {opts.filename!r}); rename one"
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+            continue
+        owners.update({p: song for p in wanted.values()})
+        infos[song], paths[song] = info, wanted
+    return infos, paths, failures
+
+
 def _plan(cfg: dict, opts: Options, preset: dict, infos: dict):
     from tiersep.device import configure_cuda_allocator
 
@@ -189,20 +198,39 @@ def _plan(cfg: dict, opts: Options, preset: dict, infos: dict):
     budget, source = budget_for(device, opts.budget_gib, spec)
     seconds = [i.seconds for i in infos.values()]
     longest = int(max(seconds) * rate) + 1 if None not in seconds else 10**12
-    max_chunk = max(1, int(round(opts.chunk_seconds * rate)))
-    min_chunk = max(preset["audio"]["n_fft"], int(round(opts.min_chunk_seconds * rate)))
+    n_fft = preset["audio"]["n_fft"]                    # the model needs more than n_fft / 2 samples
+    max_chunk = max(n_fft, int(round(opts.chunk_seconds * rate)))
+    min_chunk = max(n_fft, int(round(opts.min_chunk_seconds * rate)))
     plan = choose(preset, device, budget, source, cfg["estimate"]["safety_margin"], max_chunk, min_chunk,
-                  opts.max_batch, opts.overlap, opts.shifts, longest,
-                  max(i.rate for i in infos.values()) / rate, spec)
+                  opts.max_batch, opts.overlap, opts.shifts, longest, _rate_ratio(infos, rate), spec,
+                  two_stem=opts.stems is not None)
     return device, plan
 
 
-def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_) -> dict:
+def _rate_ratio(infos: dict, rate: int) -> float:
+    """The song rate furthest from the model's, as a ratio (the stream's blocks scale with it)."""
+    return max((i.rate / rate for i in infos.values()), key=lambda x: max(x, 1 / x))
+
+
+def _apply_malloc(plan) -> dict | None:
+    """On a CPU, the malloc mode the plan booked: glibc's own, or the tuned settings when only they
+    fit (as the trainer applies the CPU gate's choice)."""
+    from tiersep.memory.cpu_process import configure_malloc
+
+    booked = plan.estimate.get("cpu_process")
+    if booked is None:
+        return None
+    if booked["malloc"] == "tuned":
+        return {"mode": "tuned", **configure_malloc()}
+    return {"mode": booked["malloc"], "applied": False, "reason": "glibc's own malloc: its booking fits the budget"}
+
+
+def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc) -> dict:
     from tiersep.io import write_json
     from tiersep.train.telemetry import versions
 
     began = time.perf_counter()
-    sidecar = paths.pop("\0sidecar")
+    sidecar = paths.pop(SIDECAR_KEY)
     files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip)
     label = song_name(info.path)
     try:
@@ -237,7 +265,7 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_) ->
                    "measured_peak_bytes": int(measured),
                    "measured": "this process's peak RSS so far (VmHWM)" if plan.device.type == "cpu"
                    else "this process's device use so far (NVML/cudaMemGetInfo)",
-                   "tried": plan.tried},
+                   "malloc": malloc, "tried": plan.tried},
         "clipping": clipping, "notes": result["notes"],
         "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
         "versions": versions(),

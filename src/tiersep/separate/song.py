@@ -73,6 +73,48 @@ class _Queue:
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
 
+class _SongOutput:
+    """Stems [n_src, C, m] at the model's rate -> the song's rate and channels -> its files."""
+
+    def __init__(self, info: AudioInfo, sources: list[str], files: SongFiles, two_stem: str | None,
+                 back: StreamResampler):
+        self.info, self.sources, self.files, self.two_stem, self.back = info, sources, files, two_stem, back
+        self.mixture = _Queue() if two_stem else None     # the decoded mixture, for the complement
+        self.written = 0
+        self.limit = None                                  # the song's length, once decoded
+
+    def push(self, stems: torch.Tensor | None, block_frames: int) -> None:
+        """A batch's finished span goes on in pieces of `block_frames`: what the song's rate and the
+        encoders hold at a time stays that size, whatever the chunk and batch."""
+        if stems is None:
+            return
+        n_src, channels, _ = stems.shape
+        for piece in stems.split(block_frames, dim=-1):
+            self._write(self.back.push(piece.reshape(n_src * channels, -1)), n_src, channels)
+
+    def close(self, n_src: int, channels: int) -> None:
+        self._write(self.back.close(), n_src, channels)
+
+    def _write(self, out: torch.Tensor | None, n_src: int, channels: int) -> None:
+        if out is None:
+            return
+        out = out.reshape(n_src, channels, -1)
+        if self.limit is not None:            # resampling back may give a sample or two more
+            out = out[..., :max(0, self.limit - self.written)]
+        if self.info.channels == 1 and channels != 1:
+            out = out.mean(dim=1, keepdim=True)             # mono in, mono out
+        stems = out.numpy()
+        if stems.shape[-1] == 0:
+            return
+        if self.two_stem:
+            stem = stems[self.sources.index(self.two_stem)]
+            blocks = {self.two_stem: stem, complement_name(self.two_stem): self.mixture.take(stem.shape[-1]) - stem}
+        else:
+            blocks = {name: stems[i] for i, name in enumerate(self.sources)}
+        self.files.write(blocks)
+        self.written += stems.shape[-1]
+
+
 def separate_song(model: torch.nn.Module, preset: dict, info: AudioInfo, files: SongFiles, settings: StreamSettings,
                   device: torch.device, two_stem: str | None, on_seconds=None, on_block=None) -> dict:
     """Stream the song `info` into `files` (not committed here). Returns {seconds, frames, notes}.
@@ -85,60 +127,33 @@ def separate_song(model: torch.nn.Module, preset: dict, info: AudioInfo, files: 
     passes = [OverlapAdd(model, settings.chunk_samples, settings.overlap, settings.precision, device,
                          settings.batch, delay) for delay in shift_delays(settings.shifts, settings.seed, model_rate)]
     separator = passes[0] if len(passes) == 1 else ShiftAverage(passes)
-    to_model, back = StreamResampler(info.rate, model_rate), StreamResampler(model_rate, info.rate)
+    to_model = StreamResampler(info.rate, model_rate)
+    output = _SongOutput(info, sources, files, two_stem, StreamResampler(model_rate, info.rate))
     decoder = Decoder(info, settings.block_frames)
-    mixture = _Queue() if two_stem else None
-    written = 0
 
-    def write(stems: torch.Tensor | None, limit: int | None) -> None:
-        """Stems [n_src, C, m] at the model's rate: back to the song's rate and channels, written."""
-        if stems is None:
-            return
-        if on_block is not None:
+    def separated(stems: torch.Tensor | None) -> None:
+        if stems is not None and on_block is not None:
             on_block()
-        n_src, channels, _ = stems.shape
-        out = back.push(stems.reshape(n_src * channels, -1)) if stems.shape[-1] else None
-        _write_song_rate(out, n_src, channels, limit)
-
-    def _write_song_rate(out: torch.Tensor | None, n_src: int, channels: int, limit: int | None) -> None:
-        nonlocal written
-        if out is None:
-            return
-        out = out.reshape(n_src, channels, -1)
-        if limit is not None:                 # resampling back may give a sample or two more
-            out = out[..., :max(0, limit - written)]
-        if info.channels == 1 and channels != 1:
-            out = out.mean(dim=1, keepdim=True)             # mono in, mono out
-        stems_np = out.numpy()
-        if stems_np.shape[-1] == 0:
-            return
-        if two_stem:
-            stem = stems_np[sources.index(two_stem)]
-            blocks = {two_stem: stem, complement_name(two_stem): mixture.take(stem.shape[-1]) - stem}
-        else:
-            blocks = {name: stems_np[i] for i, name in enumerate(sources)}
-        files.write(blocks)
-        written += stems_np.shape[-1]
+        output.push(stems, settings.block_frames)
 
     for block in decoder:                                   # [C, n] float32 at the song's rate
         block = block.copy()                                # writable (ffmpeg's bytes are read-only)
-        if mixture is not None:
-            mixture.append(block)
+        if output.mixture is not None:
+            output.mixture.append(block)
         signal = torch.from_numpy(block)
         if info.channels == 1 and model_channels != 1:
             signal = signal.expand(model_channels, -1)      # mono separated as stereo
         resampled = to_model.push(signal)
         if resampled is not None:
-            write(separator.push(resampled), None)
+            separated(separator.push(resampled))
         if on_seconds is not None:
             on_seconds(block.shape[1] / info.rate)
-    frames = decoder.frames
+    output.limit = frames = decoder.frames
     resampled = to_model.close()
     if resampled is not None:
-        write(separator.push(resampled), frames)
-    write(separator.close(), frames)
-    n_src = len(sources)
-    _write_song_rate(back.close(), n_src, model_channels, frames)
-    if written != frames:
-        raise RuntimeError(f"{info.path}: wrote {written} of {frames} frames (a bug in the stream)")
+        separated(separator.push(resampled))
+    separated(separator.close())
+    output.close(len(sources), model_channels)
+    if output.written != frames:
+        raise RuntimeError(f"{info.path}: wrote {output.written} of {frames} frames (a bug in the stream)")
     return {"seconds": frames / info.rate, "frames": frames, "notes": list(decoder.notes)}

@@ -90,8 +90,9 @@ class SongFiles:
         return self.report()
 
     def _encode_scaled(self, raw: Path, final: Path) -> Path:
+        """Encode the float32 temporary `raw` with the song's gain into a new temporary (returned);
+        `raw` is removed once that succeeded, and stays a temporary for abort() otherwise."""
         encoded = temporary_path(final)
-        self.temps["\0raw"] = raw                # removed by abort() should encoding fail
         encoder = Encoder(encoded, self.fmt, self.bits, self.rate, self.channels)
         try:
             with sf.SoundFile(str(raw)) as source:
@@ -103,7 +104,6 @@ class SongFiles:
             encoded.unlink(missing_ok=True)
             raise
         raw.unlink()
-        del self.temps["\0raw"]
         return encoded
 
     def report(self) -> dict:
