@@ -25,6 +25,7 @@ report: "workflow/report/workflow.rst"
 
 include: "workflow/rules/data.smk"
 include: "workflow/rules/estimate.smk"
+include: "workflow/rules/fit_matrix.smk"  # what fits which GPU (fit_matrix.enabled)
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/separate.smk"  # a target of its own: snakemake --cores 1 separate

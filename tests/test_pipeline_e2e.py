@@ -76,6 +76,14 @@ def test_every_contract_file_is_produced(finished):
     html = (res / "report" / "index.html").read_text()
     assert "test_tiny" in html and "large" in html
     assert (res / "report" / "report.md").is_file()
+    # what fits which GPU: every tier at budget_gib (tiny.yaml's fit_matrix.gpus), in the report
+    from tiersep.records import read_record
+
+    matrix = read_record("fit_matrix", res / "vram" / "fit_matrix.json")
+    assert [b["label"] for b in matrix["budgets"]] == ["24 GiB"]
+    assert [row["tier"] for row in matrix["tiers"]] == ["test_tiny", "test_gpu_sized", "large"]
+    assert matrix["tiers"][2]["cells"][0]["status"] == "fitted"   # large: 523 GiB as is
+    assert '<table id="fit-matrix">' in html and '<a href="#fit-large">does not fit</a>' in html
     for folder in ("logs", "benchmarks"):
         assert any((finished / folder).rglob("*")), folder
 

@@ -19,7 +19,8 @@ SCHEMA_DIR = REPO / "workflow" / "schemas" / "records"
 
 def fixture_records() -> list[tuple[str, Path]]:
     """(kind, path) of every record under tests/fixtures that the report reads."""
-    found = [("estimate", p) for p in (FIXTURES / "results" / "vram").glob("*.json")]
+    found = [("fit_matrix" if p.stem == "fit_matrix" else "estimate", p)
+             for p in (FIXTURES / "results" / "vram").glob("*.json")]
     found += [("run", p) for p in (FIXTURES / "results" / "train").glob("*/run.json")]
     found += [("failure", p) for p in (FIXTURES / "results" / "train").glob("*/failure.json")]
     found += [("scores", p) for p in (FIXTURES / "results" / "eval").glob("*/scores.json")]

@@ -636,6 +636,10 @@ PAGE_CHECK = """(async () => {
     rows: rows.map(r => r.dataset.tier),
     tableHeight: document.querySelector('#tiers').getBoundingClientRect().height,
     failureRows: document.querySelectorAll('#failures tbody tr').length,
+    // What fits which GPU: a row per tier, and the estimates' "does not fit" leads to one
+    fitRows: [...document.querySelectorAll('#fit-matrix tbody tr')].map(r => r.id),
+    fitLinks: [...document.querySelectorAll('#estimates a')].map(a => [a.getAttribute('href'),
+      !!document.getElementById(a.getAttribute('href').slice(1))]),
     // laid-out widths: a table wider than its scrolling wrapper, or than the window, is cut off
     tables: [...document.querySelectorAll('table')].map(t => ({
       id: t.id, right: t.getBoundingClientRect().right, width: t.getBoundingClientRect().width,
@@ -678,6 +682,8 @@ def test_page_renders_in_headless_chromium(rendered, tmp_path):
 
     assert state["rows"] == list(EXPECTED_STATUS) and state["tableHeight"] > 150
     assert state["failureRows"] == 2
+    assert state["fitRows"] == ["fit-test_tiny", "fit-small", "fit-large"]   # 10 columns, checked below
+    assert state["fitLinks"] == [["#fit-large", True]]
     assert state["viewport"] == WIDTH and state["pageWidth"] <= WIDTH
     assert len(state["tables"]) >= 10
     for table in state["tables"]:

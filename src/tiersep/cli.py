@@ -188,26 +188,86 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
 
 
 def cmd_fit(args, cfg):
+    if args.gpus is not None:
+        return cmd_fit_matrix(args, cfg)
     from tiersep.io import write_text
-    from tiersep.memory import fit
-    from tiersep.memory.fit import NothingFits
+    from tiersep.memory.fit import FitSearch, NothingFits
 
+    if not args.preset or len(args.preset) > 1:
+        raise C.ConfigError("--preset: one preset with --budget (several only with --gpus)")
+    if args.out is None:
+        raise C.ConfigError("--out: required with --budget (the preset YAML to write)")
+    args.preset = args.preset[0]
     preset = resolve_preset(args.preset, cfg, args.set)
     budget = C.budget_bytes(cfg, args.budget)
     if budget is None:
         raise C.ConfigError("--budget: no budget (auto found no GPU); give a number of GiB")
     try:
-        fitted, changes = fit(preset, budget, device=estimate_device(cfg, args.preset, preset, args.device),
-                              safety_margin=cfg["estimate"]["safety_margin"],
-                              calibration_spec=args.calibration or cfg["estimate"]["calibration"])
+        found = FitSearch(preset, estimate_device(cfg, args.preset, preset, args.device),
+                          cfg["estimate"]["safety_margin"],
+                          args.calibration or cfg["estimate"]["calibration"]).fit(budget)
     except NothingFits as err:
         raise C.DoesNotFit(str(err)) from None
+    fitted, changes, record = found.variant, found.changes, found.record
     write_text(args.out, C.dump_preset(fitted))
-    print(f"{preset['name']} -> {fitted['name']} under {budget / 2**30:.1f} GiB:")
+    print(f"{preset['name']} -> {fitted['name']} under {budget / 2**30:.1f} GiB (trace estimate "
+          f"{record['peak_bytes'] / 2**30:.3f} GiB ±{record['uncertainty']:.1%}):")
     for change in changes or ["nothing to change: it already fits"]:
         print(f"  - {change}")
     print(f"wrote {args.out}")
     return 0
+
+
+def cmd_fit_matrix(args, cfg):
+    """`fit --gpus`: the nearest fitting variant of each preset for every budget, as a table;
+    --json writes the fit_matrix record, --out DIR one preset per cell that fits."""
+    from tiersep.io import write_json
+    from tiersep.memory import fit_matrix
+    from tiersep.records import validate_record
+
+    if args.device not in (None, "auto", "cuda"):
+        raise C.ConfigError(f"--device {args.device}: --gpus budgets are GPU memory, estimated for cuda")
+    budgets = fit_matrix.parse_budgets(fit_matrix.split_gpus(args.gpus), "--gpus")   # one line when bad
+    entries = args.preset or fit_matrix.config_tiers(cfg)
+    tiers = [(C.tier_name(entry), resolve_preset(entry, cfg, args.set)) for entry in entries]
+    record, presets = fit_matrix.build(tiers, budgets, cfg["estimate"]["safety_margin"],
+                                       args.calibration or cfg["estimate"]["calibration"], jobs=args.jobs,
+                                       estimates=_estimate_records(args.estimates, [t for t, _ in tiers]))
+    print("\n".join(fit_matrix.table_lines(record)))
+    if args.out:
+        written = fit_matrix.write_presets(args.out, presets)
+        print(f"wrote {len(written)} presets into {args.out}")
+    if args.json:
+        write_json(args.json, validate_record("fit_matrix", record, args.json))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _estimate_records(folder: str | None, tiers: list[str]) -> dict[str, dict]:
+    """fit --estimates DIR: DIR/<tier>.json of each tier that can be read (the search checks that
+    it was made alike before it uses one instead of a trace)."""
+    from tiersep.records import RecordError, read_record
+
+    records = {}
+    for tier in tiers if folder else []:
+        try:
+            record = read_record("estimate", Path(folder) / f"{tier}.json")
+        except RecordError as err:   # damaged: traced instead
+            print(f"tiersep fit: {C.one_line(str(err))}; tracing {tier} instead", file=sys.stderr)
+            continue
+        if record is not None:
+            records[tier] = record
+    return records
+
+
+def _jobs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= 1") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value}: must be 1 to 64 (processes)")
+    return value
 
 
 def cmd_calibrate(args, cfg):
@@ -314,9 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    def add_preset(p):
-        p.add_argument("--preset", required=True, metavar="NAME",
-                       help="preset name in the config's presets_dir, a preset YAML path, or a sweep trial")
+    def add_preset(p, many: str = ""):
+        if many:   # repeatable, optional: `many` says what it means then
+            p.add_argument("--preset", action="append", metavar="NAME", help="preset name in the config's "
+                           f"presets_dir, a preset YAML path, or a sweep trial; {many}")
+        else:
+            p.add_argument("--preset", required=True, metavar="NAME",
+                           help="preset name in the config's presets_dir, a preset YAML path, or a sweep trial")
         p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="SECTION.FIELD=VALUE",
                        help="override one preset field (repeatable), e.g. --set train.lr=1e-3")
 
@@ -350,14 +414,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --inference: chunks per model call (default 1)")
 
     p = add("fit", cmd_fit, "Derive a variant of a preset that fits a memory budget (segment, micro-batch "
-            "with accumulation, checkpointing, bf16) and write it as a preset YAML.")
-    add_preset(p)
-    p.add_argument("--budget", type=budget_gib, required=True, metavar="GIB", help="budget in GiB")
+            "with accumulation, checkpointing, bf16) and write it as a preset YAML. With --gpus: what fits "
+            "which GPU, the nearest variant for every budget (a table; exit 0 even where nothing fits).")
+    add_preset(p, many="repeatable with --gpus (default there: every tier of the config)")
+    budget_or_gpus = p.add_mutually_exclusive_group(required=True)
+    budget_or_gpus.add_argument("--budget", type=budget_gib, metavar="GIB", help="budget in GiB")
+    budget_or_gpus.add_argument("--gpus", metavar="LIST", help="comma-separated budgets: "
+                                "numbers of GiB and GPU names of the calibration table (their memory), e.g. "
+                                "8,12,16,24,40,48,80,96 or 'NVIDIA H100 80GB HBM3'")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"],
-                   help="device the estimate models (default from config estimate.device)")
+                   help="device the estimate models (default from config estimate.device; --gpus: cuda)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates "
                    "(default from config estimate.calibration)")
-    p.add_argument("--out", required=True, help="output preset YAML")
+    p.add_argument("--out", help="output preset YAML (required with --budget); with --gpus a folder for one "
+                   "preset per budget that fits, <preset>_fit_<budget>gib.yaml")
+    p.add_argument("--json", metavar="FILE", help="with --gpus: write the matrix record, e.g. "
+                   "results/vram/fit_matrix.json")
+    p.add_argument("--jobs", type=_jobs, default=1, metavar="N", help="with --gpus: presets searched in N "
+                   "processes at once (default 1)")
+    p.add_argument("--estimates", metavar="DIR", help="with --gpus: DIR/<preset>.json, the presets' own "
+                   "trace estimates (the workflow's results/vram), used instead of tracing them again "
+                   "where made for cuda with the same settings, calibration and torch")
 
     p = add("calibrate", cmd_calibrate, "Measure this machine's GPU for the estimates: the CUDA context "
             "after init, after cuBLAS and after a tiny training step, the cuBLAS workspace, the GPU's "

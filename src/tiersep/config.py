@@ -364,6 +364,9 @@ def _check_tier_names(cfg: dict) -> None:
     like a preset)."""
     seen: dict[str, str] = {}
     for entry in list(cfg["tiers"]) + list(cfg["estimate_tiers"]):
+        if tier_name(entry) == "fit_matrix":   # results/vram/fit_matrix.json is the fit matrix's
+            raise ConfigError(f"{cfg.get('_source', 'config')}: tiers: a tier may not be named fit_matrix "
+                              "(results/vram/fit_matrix.json is what fits which GPU); rename the preset")
         other = seen.setdefault(tier_name(entry), entry)
         if other != entry:
             raise ConfigError(f"{cfg.get('_source', 'config')}: tiers: {other!r} and {entry!r} would both "

@@ -7,6 +7,7 @@ failure   results/train/<preset>/failure.json (`_write_failure`)    .../failure.
 scores    results/eval/<preset>/scores.json (tiersep.evaluate)      .../scores.schema.yaml
 manifest  <prepared_dir>/<source>/<rate>/manifest.json (prepare)    .../manifest.schema.yaml
 listen    results/eval/<preset>/listen/listen.json (evaluate)      .../listen.schema.yaml
+fit_matrix results/vram/fit_matrix.json (tiersep fit --gpus --json)  .../fit_matrix.schema.yaml
 
 Each schema requires what readers rely on and allows extra fields, so a writer may add some. A
 writer calls `validate_record(kind, record, path)` before writing; the report calls `read_record`.
@@ -30,7 +31,7 @@ from jsonschema import Draft202012Validator
 
 from tiersep.config import ConfigError, load_schema
 
-KINDS = ("estimate", "run", "failure", "scores", "manifest", "listen")
+KINDS = ("estimate", "run", "failure", "scores", "manifest", "listen", "fit_matrix")
 
 
 class RecordError(ConfigError):
@@ -154,4 +155,16 @@ def _listen_files_add_up(listen: dict, path) -> None:
         raise RecordError(f"{path}: bytes: {listen['bytes']}, but the files add up to {total}")
 
 
-CROSS_CHECKS = {"scores": (_scores_match_sources,), "listen": (_listen_files_add_up,)}
+def _a_cell_per_budget(matrix: dict, path) -> None:
+    """Every tier has one cell per budget, in the budgets' order; a cell that fits has its peak."""
+    budgets = len(matrix["budgets"])
+    for index, row in enumerate(matrix["tiers"]):
+        if len(row["cells"]) != budgets:
+            raise RecordError(f"{path}: tiers/{index}/cells: {len(row['cells'])} cells for {budgets} budgets")
+        for column, cell in enumerate(row["cells"]):
+            if cell["status"] != "no" and cell["peak_bytes"] is None:
+                raise RecordError(f"{path}: tiers/{index}/cells/{column}/peak_bytes: null in a cell that fits")
+
+
+CROSS_CHECKS = {"scores": (_scores_match_sources,), "listen": (_listen_files_add_up,),
+                "fit_matrix": (_a_cell_per_budget,)}

@@ -180,6 +180,21 @@ def _report_output(name, category):
 REPORT_FILES = [f"{RESULTS}/report/index.html", f"{RESULTS}/report/report.md"]
 
 
+import tiersep.memory.fit_matrix as tiersep_fit_matrix
+
+# What fits which GPU (fit_matrix.enabled): its record, an input of the report
+FIT_MATRIX = [f"{RESULTS}/vram/fit_matrix.json"] if CFG["fit_matrix"]["enabled"] else []
+
+
+def fit_matrix_gpus():
+    """The fit_matrix job's --gpus: fit_matrix.gpus, then budget_gib when it is a number; a bad
+    entry stops the workflow here, naming the config file and key."""
+    try:
+        return tiersep_fit_matrix.gpus_argument(tiersep_fit_matrix.config_budgets(CFG))
+    except tiersep_config.ConfigError as err:
+        sys.exit(f"tiersep: invalid config: {err}")
+
+
 wildcard_constraints:
     preset=r"[A-Za-z0-9_.=+-]+",
     rate=r"\d+",

@@ -6,6 +6,7 @@ rule report:
     input:
         estimates=expand(f"{RESULTS}/vram/{{preset}}.json", preset=ESTIMATED),
         outcomes=report_inputs,
+        fit_matrix=FIT_MATRIX,
         sources=[str(p) for p in tiersep_report.source_files()],
         config=ancient(CONFIG_FILE),
     output:

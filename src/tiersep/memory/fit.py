@@ -8,20 +8,47 @@ Levers, from the one that changes training least to the one that changes it most
   5. a shorter training segment (changes what the model sees: last resort).
 The search keeps the longest segment, then the fewest levers, then the largest micro-batch, using
 the instant `analytic` form scaled by trace/analytic of the original preset, and verifies the choice
-with `trace` (stepping further down if the trace disagrees). It writes nothing; the CLI does.
+with `trace` (stepping further down if the trace disagrees). A candidate fits when the gate would
+pass it: its record goes through `estimate.finish`, the one place `fits` is set. It writes nothing;
+the CLI does.
+
+`FitSearch` holds one preset's search (its trace, the analytic scale, every trace it ran), so one
+search answers many budgets with one trace per distinct variant (`tiersep fit --gpus`, fit_matrix).
 """
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import dataclass
 
-from . import analytic, calibration
-from .constants import GIB
+from . import accuracy, analytic, calibration
+from .constants import GIB, MIB
 from .cuda_model import modelled_backend
-from .estimate import estimate, required_bytes, with_booking
+from .estimate import estimate, finish, with_booking
+from tiersep.device import planned_allocator
+
+ROUNDS = 4   # trace checks before giving up: each tightens the analytic form to what the trace said
+# A shorter segment's first guess aims this far below the budget: the closed form anchored on the
+# frugal variant's trace is within about +-2% of the trace across segment lengths (seed presets),
+# so the first trace check usually confirms the guess: one trace per budget, for ~2% of segment.
+SEGMENT_CUSHION = 0.02
 
 
 class NothingFits(ValueError):
-    """No variant of the preset fits the budget."""
+    """No variant of the preset fits the budget. `smallest_budget_bytes`: the least budget at which
+    the most frugal variant would fit (None when the search could not tell); `floor`: that
+    variant's trace record."""
+
+    def __init__(self, message: str, smallest_budget_bytes: int | None = None, floor: dict | None = None):
+        super().__init__(message)
+        self.smallest_budget_bytes, self.floor = smallest_budget_bytes, floor
+
+
+@dataclass
+class Fitted:
+    variant: dict        # the preset that fits (the original itself when it fits as is)
+    changes: list[str]   # describe_changes(original, variant); [] when it fits as is
+    record: dict         # its trace estimate, with the verdict against the budget
 
 
 def _divisors_desc(n: int, at_most: int) -> list[int]:
@@ -61,79 +88,204 @@ def describe_changes(old: dict, new: dict) -> list[str]:
     return changes
 
 
+def fitted_name(preset: dict, budget_bytes: int) -> str:
+    """`P_fit_<budget>gib`, a decimal point written as `p` (large_fit_24gib, small_fit_3p5gib)."""
+    gib = f"{budget_bytes / GIB:g}"
+    return f"{preset['name']}_fit_{gib.replace('.', 'p')}gib"
+
+
+class FitSearch:
+    """The fit search for one preset on one device, margin and calibration. Traces are kept by
+    variant, so asking for several budgets traces each distinct variant once."""
+
+    def __init__(self, preset: dict, device: str = "cuda", safety_margin: float = 0.08,
+                 calibration_spec: str = "auto", estimate_record: dict | None = None):
+        """`estimate_record`: the preset's own trace estimate when one was made already (the
+        workflow's results/vram/<tier>.json); used instead of tracing it again when it was made for
+        this device, calibration, allocator, torch and the preset's settings (`reusable`)."""
+        self.preset, self.device, self.margin, self.spec = preset, device, safety_margin, calibration_spec
+        self.cal = calibration.resolve(calibration_spec) if device == "cuda" else None
+        self.traces: dict[str, dict] = {}
+        self.numels = analytic.parameter_numels(preset)
+        self.reused = int(estimate_record is not None and self.reusable(estimate_record))
+        if self.reused:
+            self.traces[self._key(preset)] = copy.deepcopy(estimate_record)
+        self.original = self.traced(preset)
+        self.coefficients = analytic.load_calibration()
+        # Scale the closed form to this preset's trace so the search is centred on the trace.
+        self.ratio = self.original["peak_bytes"] / self._analytic_peak(preset)
+        t, m = preset["train"], preset["model"]
+        self.effective = t["batch_size"] * t["grad_accum"]
+        self.backend = "auto" if modelled_backend(preset, device) == "math" else m["attention_backend"]
+        self.bf16_options = [False] if t["precision"] == "bf16" else [False, True]
+        self.ckpt_options = [True] if m["checkpointing"] else [False, True]
+
+    # ---- estimates ----------------------------------------------------------------------------
+    @staticmethod
+    def _key(variant: dict) -> str:
+        return json.dumps(variant, sort_keys=True, default=str)
+
+    def reusable(self, record: dict) -> bool:
+        """Whether `record` is the trace estimate of this preset as `traced` would make it: the same
+        method, device, preset name and settings, parameter count, calibration, allocator mode and
+        torch (a record of another preset of that name would pass: give the workflow's own)."""
+        import torch
+
+        p, t = self.preset, self.preset["train"]
+        same = {"method": "trace", "device": self.device, "preset": p["name"], "precision": t["precision"],
+                "batch_size": t["batch_size"], "grad_accum": t["grad_accum"], "torch": torch.__version__,
+                "segment_samples": p["audio"]["segment_samples"], "checkpointing": p["model"]["checkpointing"],
+                "parameters": sum(self.numels)}
+        if any(record.get(k) != v for k, v in same.items()) or "uncertainty" not in record:
+            return False
+        if self.device != "cuda":
+            return True
+        used = record.get("calibration") or {}
+        return (all(used.get(k) == self.cal["used"][k] for k in ("name", "source"))
+                and used.get("context_bytes") == self.cal["context_bytes"]
+                and (record.get("allocator") or {}).get("expandable_segments")
+                == planned_allocator(p)["expandable_segments"])
+
+    def traced(self, variant: dict) -> dict:
+        """The trace estimate of `variant` without a budget (`verdict` judges it), run once."""
+        key = self._key(variant)
+        if key not in self.traces:
+            self.traces[key] = estimate(variant, "trace", self.device, None, self.margin, self.spec)
+        return self.traces[key]
+
+    def verdict(self, record: dict, budget_bytes: int) -> dict:
+        """`record` judged against `budget_bytes` as the gate judges it (estimate.finish)."""
+        return finish(copy.deepcopy(record), budget_bytes, self.margin, record.get("seconds", 0.0))
+
+    def _analytic_peak(self, variant: dict) -> float:
+        return analytic.predict(variant, self.device, calibration=self.coefficients, numels=self.numels,
+                                device_cal=self.cal)["peak"]
+
+    def _analytic_record(self, variant: dict, scale: float, uncertainty: float) -> dict:
+        """The closed form of `variant`, scaled to the trace, as an estimate record the gate can judge:
+        the original's fields, the variant's settings, and on cuda the uncertainty of the variant's
+        class as estimate() states it (at least `uncertainty`)."""
+        record = {k: v for k, v in self.original.items() if k != "cpu_process"}
+        t = variant["train"]
+        record.update(peak_bytes=int(scale * self.ratio * self._analytic_peak(variant)), uncertainty=uncertainty,
+                      precision=t["precision"], batch_size=t["batch_size"], grad_accum=t["grad_accum"],
+                      segment_samples=variant["audio"]["segment_samples"],
+                      checkpointing=variant["model"]["checkpointing"],
+                      attention_backend=modelled_backend(variant, self.device))
+        if "uncertainty_class" in self.original:   # the gate books peak x (1 + its class's uncertainty)
+            record["uncertainty"] = max(uncertainty, accuracy.uncertainty(accuracy.estimate_class(record))[0])
+        return with_booking(record, variant)
+
+    # ---- the search ---------------------------------------------------------------------------
+    def fit(self, budget_bytes: int) -> Fitted:
+        """The nearest variant that fits `budget_bytes`, verified by trace; raises NothingFits.
+        Long because the rounds share one state (the analytic scale and uncertainty) that each
+        trace check updates, and the steps read best as one story."""
+        if budget_bytes is None or budget_bytes <= 0:
+            raise ValueError("fit: a positive budget in bytes is needed")
+        first = self.verdict(self.original, budget_bytes)
+        if first["fits"]:
+            return Fitted(copy.deepcopy(self.preset), [], first)
+        a = self.preset["audio"]
+        # on cuda each candidate books its own class's uncertainty; this floor rises when a trace says more
+        correction = 1.0
+        uncertainty = 0.0 if "uncertainty_class" in self.original else self.original["uncertainty"]
+
+        def fits(v: dict, scale: float) -> bool:
+            return bool(self.verdict(self._analytic_record(v, scale, uncertainty), budget_bytes)["fits"])
+
+        def best_at(segment: int, scale: float) -> dict | None:
+            """Fewest levers, then the largest micro-batch, that fit at this segment length."""
+            for bf16 in self.bf16_options:
+                for ckpt in self.ckpt_options:
+                    for micro in _divisors_desc(self.effective, self.preset["train"]["batch_size"]):
+                        v = _variant(self.preset, segment, micro, self.effective, ckpt, bf16, self.backend)
+                        if fits(v, scale):
+                            return v
+            return None
+
+        def longest_segment(scale: float) -> int | None:
+            """Largest segment (a multiple of hop, >= n_fft) at which the most frugal variant fits."""
+            hop, lo = a["hop"], -(-a["n_fft"] // a["hop"])
+            hi = a["segment_samples"] // hop
+            if not fits(self.frugal(lo * hop), scale):
+                return None
+            while lo < hi:   # the analytic peak grows with the segment
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(self.frugal(mid * hop), scale) else (lo, mid - 1)
+            return lo * hop
+
+        for _ in range(ROUNDS):
+            scale = correction
+            choice = best_at(a["segment_samples"], scale)
+            if choice is None:   # a shorter segment: anchored on the frugal variant's own trace
+                scale = correction * self.segment_anchor() * (1 + SEGMENT_CUSHION)
+                segment = longest_segment(scale)
+                choice = best_at(segment, scale) if segment is not None else None
+            if choice is None:
+                break
+            checked = self.verdict(self.traced(choice), budget_bytes)
+            if checked["fits"]:
+                fitted = copy.deepcopy(choice)
+                fitted["name"] = fitted_name(self.preset, budget_bytes)
+                changes = describe_changes(self.preset, fitted)
+                fitted["description"] = (f"{self.preset['name']} fitted to {budget_bytes / GIB:g} GiB ({self.device}): "
+                                         f"{'; '.join(changes)}. Trace estimate {checked['peak_bytes'] / GIB:.2f} GiB.")
+                return Fitted(fitted, changes, checked)
+            # the trace disagrees: correct the closed form by how far it was off, and book at least
+            # the uncertainty the trace states for this variant's class
+            predicted = self.verdict(self._analytic_record(choice, scale, uncertainty), budget_bytes)
+            correction *= checked["gate_required_bytes"] / max(predicted["gate_required_bytes"], 1) * 1.02
+            uncertainty = max(uncertainty, checked["uncertainty"])
+        raise self.nothing_fits(budget_bytes)
+
+    def segment_anchor(self) -> float:
+        """trace / scaled closed form of the most frugal variant at the preset's own segment: the
+        shorter-segment search is centred on a trace of its own mode, not the original's (traced
+        once, whatever the budget)."""
+        v = self.frugal(self.preset["audio"]["segment_samples"])
+        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v))
+
+    def frugal(self, segment: int | None = None) -> dict:
+        """Every lever pulled: micro-batch 1, checkpointing, bf16, a fused kernel; at `segment`
+        samples (default the shortest the search tries: n_fft rounded up to a whole hop)."""
+        a = self.preset["audio"]
+        if segment is None:
+            segment = -(-a["n_fft"] // a["hop"]) * a["hop"]
+        return _variant(self.preset, segment, 1, self.effective, True, True, self.backend)
+
+    def smallest_budget(self) -> tuple[int, dict]:
+        """(the least budget the most frugal variant fits, to the MiB, as the gate judges it; its trace
+        record)."""
+        record = self.traced(self.frugal())
+        lo, hi = 0, max(int(record["gate_required_bytes"]), MIB)
+        while not self.verdict(record, hi)["fits"]:
+            lo, hi = hi, hi * 2
+        while hi - lo > MIB:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.verdict(record, mid)["fits"] else (mid, hi)
+        return -(-hi // MIB) * MIB, record
+
+    def nothing_fits(self, budget_bytes: int) -> NothingFits:
+        a = self.preset["audio"]
+        smallest, floor = self.smallest_budget()
+        if smallest <= budget_bytes:   # the trace says the frugal variant fits: the search lost its way
+            smallest, would = None, ""
+        else:
+            would = f", which needs a budget of {smallest / GIB:.2f} GiB"
+        return NothingFits(
+            f"preset {self.preset['name']}: nothing fits {budget_bytes / GIB:.2f} GiB on {self.device} with a "
+            f"{self.margin:.0%} margin, not even micro-batch 1 with checkpointing, bf16, a fused attention "
+            f"kernel and the shortest segment ({a['n_fft']} samples){would}; the original needs "
+            f"{self.original['peak_bytes'] / GIB:.2f} GiB. Reduce model.n_layers / model.emb_dim, or use a larger GPU.",
+            smallest, floor)
+
+
 def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: float = 0.08,
         calibration_spec: str = "auto") -> tuple[dict, list[str]]:
-    """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`.
-    Long because the search's steps are closures over one state (the trace-to-analytic ratio, the
-    levers allowed, the tightened limit) that the trace check updates between rounds."""
+    """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`,
+    and the changes made ([] and the preset itself when it fits as is)."""
     if budget_bytes is None or budget_bytes <= 0:
         raise ValueError("fit: a positive budget in bytes is needed")
-    limit = budget_bytes * (1.0 - safety_margin)
-    cal = calibration.resolve(calibration_spec) if device == "cuda" else None
-    original = estimate(preset, "trace", device, budget_bytes, safety_margin, calibration_spec)
-    if original["fits"]:
-        return copy.deepcopy(preset), []
-
-    numels = analytic.parameter_numels(preset)
-    # Scale the closed form to this preset's trace so the search is centred on the trace.
-    ratio = original["peak_bytes"] / analytic.predict(preset, device, numels=numels, device_cal=cal)["peak"]
-    a, t, m = preset["audio"], preset["train"], preset["model"]
-    effective = t["batch_size"] * t["grad_accum"]
-    backend = m["attention_backend"]
-    if modelled_backend(preset, device) == "math":
-        backend = "auto"   # fused kernels where the device has one
-    bf16_options = [False] if t["precision"] == "bf16" else [False, True]
-    ckpt_options = [True] if m["checkpointing"] else [False, True]
-
-    def analytic_peak(v: dict) -> float:
-        """What the gate would book for `v` (on CPU the process around the live bytes), from the
-        closed form scaled to the trace."""
-        peak = ratio * analytic.predict(v, device, numels=numels, device_cal=cal)["peak"]
-        return required_bytes(with_booking({"device": device, "peak_bytes": int(peak)}, v))
-
-    def best_at(segment: int, limit_now: float) -> dict | None:
-        """Fewest levers, then the largest micro-batch, that fit at this segment length."""
-        for bf16 in bf16_options:
-            for ckpt in ckpt_options:
-                for micro in _divisors_desc(effective, t["batch_size"]):
-                    v = _variant(preset, segment, micro, effective, ckpt, bf16, backend)
-                    if analytic_peak(v) <= limit_now:
-                        return v
-        return None
-
-    def longest_segment(limit_now: float) -> int | None:
-        """Largest segment (a multiple of hop, >= n_fft) at which the most frugal variant fits."""
-        hop, lo = a["hop"], -(-a["n_fft"] // a["hop"])
-        hi = a["segment_samples"] // hop
-        frugal = lambda frames: _variant(preset, frames * hop, 1, effective, True, True, backend)
-        if analytic_peak(frugal(lo)) > limit_now:
-            return None
-        while lo < hi:   # the analytic peak grows with the segment
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if analytic_peak(frugal(mid)) <= limit_now else (lo, mid - 1)
-        return lo * hop
-
-    limit_now = limit
-    for _ in range(4):   # verify with trace; tighten the analytic limit if the trace disagrees
-        choice = best_at(a["segment_samples"], limit_now)
-        if choice is None:
-            segment = longest_segment(limit_now)
-            choice = best_at(segment, limit_now) if segment is not None else None
-        if choice is None:
-            break
-        checked = estimate(choice, "trace", device, budget_bytes, safety_margin, calibration_spec)
-        if checked["fits"]:
-            fitted = copy.deepcopy(choice)
-            gib = budget_bytes / GIB
-            fitted["name"] = f"{preset['name']}_fit_{gib:g}gib".replace(f"{gib:g}", f"{gib:g}".replace(".", "p"))
-            changes = describe_changes(preset, fitted)
-            fitted["description"] = (f"{preset['name']} fitted to {gib:g} GiB ({device}): "
-                                     f"{'; '.join(changes)}. Trace estimate {checked['peak_bytes'] / GIB:.2f} GiB.")
-            return fitted, changes
-        limit_now *= limit / checked["gate_required_bytes"] * 0.98
-    raise NothingFits(
-        f"preset {preset['name']}: nothing fits {budget_bytes / GIB:.2f} GiB on {device} with a "
-        f"{safety_margin:.0%} margin, not even micro-batch 1 with checkpointing, bf16, a fused attention "
-        f"kernel and the shortest segment ({a['n_fft']} samples); the original needs "
-        f"{original['peak_bytes'] / GIB:.2f} GiB. Reduce model.n_layers / model.emb_dim, or use a larger GPU."
-    )
+    found = FitSearch(preset, device, safety_margin, calibration_spec).fit(budget_bytes)
+    return found.variant, found.changes

@@ -210,10 +210,14 @@ class Tier:
         return self.setting("train", "batch_size"), self.setting("train", "grad_accum")
 
 
+FIT_MATRIX = "fit_matrix"  # results/vram/fit_matrix.json: not a tier's estimate
+
+
 @dataclass
 class Collected:
     tiers: list[Tier]
     facts: dict
+    fit_matrix: dict | None = None  # results/vram/fit_matrix.json: what fits which GPU
 
 
 # ---- readers ---------------------------------------------------------------------------------
@@ -314,7 +318,7 @@ def tier_names(cfg: dict, results_dir: Path) -> list[tuple[str, str]]:
         add(name, "trial")
     for name in C.tier_names(cfg["estimate_tiers"]):
         add(name, "estimate")
-    found = {p.stem for p in (results_dir / "vram").glob("*.json")}
+    found = {p.stem for p in (results_dir / "vram").glob("*.json")} - {FIT_MATRIX}
     for stage in ("train", "eval"):
         found |= {p.name for p in (results_dir / stage).glob("*") if p.is_dir() and not p.name.startswith(".")}
     for name in sorted(found):
@@ -467,4 +471,7 @@ def run_facts(cfg: dict, results_dir: Path, tiers: list[Tier]) -> dict:
 def collect(cfg: dict, results_dir: str | Path) -> Collected:
     results_dir = Path(results_dir)
     tiers = [collect_tier(name, kind, cfg, results_dir) for name, kind in tier_names(cfg, results_dir)]
-    return Collected(tiers=tiers, facts=run_facts(cfg, results_dir, tiers))
+    facts = run_facts(cfg, results_dir, tiers)
+    # a damaged matrix is a problem of the run (an invalid-record row), the page renders without it
+    fit_matrix = _reader(facts["problems"])("fit_matrix", results_dir / "vram" / f"{FIT_MATRIX}.json")
+    return Collected(tiers=tiers, facts=facts, fit_matrix=fit_matrix)

@@ -10,6 +10,7 @@ from tiersep.report.collect import Collected
 from tiersep.report.sections.estimates import estimates_table
 from tiersep.report.sections.facts import datasets_table, devices_table, fact_rows, versions_table
 from tiersep.report.sections.failures import failures_table
+from tiersep.report.sections.fit_matrix import fit_matrix_table, row_anchor
 from tiersep.report.sections.listen import ListenSection, listen_section
 from tiersep.report.sections.memory import conditions_table, memory_table
 from tiersep.report.sections.quality import frames_table, protocols, quality_table
@@ -39,6 +40,7 @@ class Page:
     frames: Table
     listen: ListenSection
     estimates: Table
+    fit_matrix: Table
     figures: list[Figure]
     facts: list[tuple[str, str]]
     devices: Table
@@ -50,11 +52,14 @@ class Page:
 def build_page(collected: Collected, figures: list[Figure]) -> Page:
     tiers = collected.tiers
     facts = collected.facts
+    # a tier's "does not fit" links to its row of What fits which GPU
+    fit_rows = {row["tier"]: row_anchor(row["tier"]) for row in (collected.fit_matrix or {}).get("tiers", [])}
     return Page(
         title=f"tiersep report: {len(tiers)} tiers",
         subtitle=f"config {facts['config_hash']} · commit {facts['git_commit']} · results {facts['results_dir']}",
         cards=cards(tiers), tiers=tiers_table(tiers), memory=memory_table(tiers),
         conditions=conditions_table(tiers), failures=failures_table(collected), quality=quality_table(tiers),
-        frames=frames_table(tiers), listen=listen_section(tiers), estimates=estimates_table(tiers),
+        frames=frames_table(tiers), listen=listen_section(tiers), estimates=estimates_table(tiers, fit_rows),
+        fit_matrix=fit_matrix_table(collected),
         figures=figures, facts=fact_rows(collected), devices=devices_table(collected),
         versions=versions_table(collected), datasets=datasets_table(collected), protocols=protocols(tiers))

@@ -74,6 +74,14 @@ ESTIMATE_COLUMNS = [
 ]
 
 
-def estimates_table(tiers: list[Tier]) -> Table:
-    return make_table("estimates", "Tier", ESTIMATE_COLUMNS, [t for t in tiers if t.estimate],
-                      key=lambda t: t.name, status=lambda t: t.status, empty="No estimate yet.")
+def estimates_table(tiers: list[Tier], fit_rows: dict[str, str] | None = None) -> Table:
+    """`fit_rows`: tier -> the HTML id of its row in "What fits which GPU", where its "does not fit"
+    links to (what would fit)."""
+    table = make_table("estimates", "Tier", ESTIMATE_COLUMNS, [t for t in tiers if t.estimate],
+                       key=lambda t: t.name, status=lambda t: t.status, empty="No estimate yet.")
+    verdict = next((i for i, c in enumerate(table.columns) if c.header == "Verdict"), None)
+    for row in table.rows:
+        if verdict is not None and row.key in (fit_rows or {}) and row.cells[verdict].text == "does not fit":
+            row.cells[verdict].href = "#" + fit_rows[row.key]
+            row.cells[verdict].title = "what would fit: this tier's row in What fits which GPU"
+    return table

@@ -14,6 +14,8 @@ class Cell:
     css: str = ""    # extra HTML classes of the cell
     title: str = ""  # HTML tooltip
     badge: str = ""  # HTML classes of a badge drawn around the text (the status)
+    href: str = ""   # HTML: the text links here (e.g. "#fit-large", a row of another table)
+    markdown: str = ""  # report.md's text of the cell, when it says more than the HTML text (no tooltips)
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Row:
     cells: list[Cell]
     status: str = ""  # the tier's status (HTML data-status), when the row is a tier
     css: str = ""
+    anchor: str = ""  # HTML id of the row, for links to it
 
 
 @dataclass
@@ -65,7 +68,7 @@ class Table:
             blocks.setdefault(column.group if self.split_markdown else "", []).append(index)
         out = []
         for group, indices in blocks.items():
-            rows = [[row.key] + [row.cells[i].text for i in indices] for row in self.rows]
+            rows = [[row.key] + [row.cells[i].markdown or row.cells[i].text for i in indices] for row in self.rows]
             kept = [r for r in rows if not all(text == MISSING for text in r[1:])]
             out.append({"title": group if len(blocks) > 1 else "",
                         "headers": [self.first_header] + [self.columns[i].header for i in indices],
@@ -74,9 +77,9 @@ class Table:
 
 
 def make_table(table_id: str, first_header: str, columns: list[Column], subjects: list, key, status=None,
-               row_css=None, **kwargs) -> Table:
+               row_css=None, row_anchor=None, **kwargs) -> Table:
     rows = [Row(key(s), [_cell(c.value(s)) for c in columns], status(s) if status else "",
-                row_css(s) if row_css else "") for s in subjects]
+                row_css(s) if row_css else "", row_anchor(s) if row_anchor else "") for s in subjects]
     kept = [i for i, c in enumerate(columns) if not c.optional or any(r.cells[i].text != MISSING for r in rows)]
     for row in rows:
         row.cells = [row.cells[i] for i in kept]
