@@ -144,14 +144,8 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     tracker = (CompiledStepTracker if compiled else StorageTracker)(
         cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
     tracker.recording = False
-    # FakeTensorMode caches op results across instances; a cache hit builds a compact storage for a
-    # view (hann_window's periodic narrow), so a trace after another would book less than the same
-    # trace in a fresh process. Every trace starts from an empty cache, as a fresh process does.
-    FakeTensorMode.cache_clear()
 
-    with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
-        warnings.filterwarnings("ignore", message=".*autocast.*")
+    with _fresh_fake_mode():
         torch.manual_seed(0)
         # the model is built on the host; the device sees its weights arrive one by one
         from tiersep.model import build_loss, build_model
@@ -196,6 +190,19 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     return RecordedStep(timeline, step_start, sum(p.numel() for p in params), weights - {None},
                         optimizer_keys - {None}, host - {None}, inputs - {None}, gradients - {None},
                         persistent, traced, emulation)
+
+
+@contextlib.contextmanager
+def _fresh_fake_mode():
+    """FakeTensorMode as a fresh process has it. It caches op results across instances, and a cache
+    hit builds a compact storage for a view (hann_window's periodic narrow), so a trace after
+    another would book less than the same trace in a fresh process: every trace starts from an
+    empty cache."""
+    FakeTensorMode.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+        warnings.filterwarnings("ignore", message=".*autocast.*")
+        yield
 
 
 def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, gradients: set,
