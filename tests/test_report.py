@@ -606,6 +606,19 @@ class Chromium:
             if "method" in message:
                 self.events.append(message)
 
+    def open_page(self, url: str, width: int, height: int = 900) -> str:
+        """A new tab showing `url` at `width` x `height` CSS px, loaded, with the Page, Runtime, Log
+        and Network events recorded; returns its session id."""
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Page", "Runtime", "Log", "Network"):
+            self.send(f"{domain}.enable", session=session)
+        self.send("Emulation.setDeviceMetricsOverride",
+                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session=session)
+        self.send("Page.navigate", {"url": url}, session=session)
+        self.wait_event("Page.loadEventFired")
+        return session
+
     def close(self) -> None:
         import os
         import signal
@@ -663,14 +676,7 @@ def test_page_renders_in_headless_chromium(rendered, tmp_path):
     out, _page, _md = rendered
     browser = Chromium(binary, tmp_path / "profile")
     try:
-        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            browser.send(f"{domain}.enable", session=session)
-        browser.send("Emulation.setDeviceMetricsOverride",
-                     {"width": WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=session)
-        browser.send("Page.navigate", {"url": (out / "index.html").as_uri()}, session=session)
-        browser.wait_event("Page.loadEventFired")
+        session = browser.open_page((out / "index.html").as_uri(), WIDTH)
         state = browser.send("Runtime.evaluate", {"expression": PAGE_CHECK, "awaitPromise": True,
                                                   "returnByValue": True}, session=session)["result"]["value"]
         size = browser.send("Page.getLayoutMetrics", session=session)["cssContentSize"]

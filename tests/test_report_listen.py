@@ -79,14 +79,7 @@ def open_in_chromium(page: Path, profile: Path) -> tuple[dict, list[dict]]:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
     browser = Chromium(binary, profile, timeout=40)
     try:
-        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            browser.send(f"{domain}.enable", session=session)
-        browser.send("Emulation.setDeviceMetricsOverride",
-                     {"width": WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=session)
-        browser.send("Page.navigate", {"url": page.as_uri()}, session=session)
-        browser.wait_event("Page.loadEventFired")
+        session = browser.open_page(page.as_uri(), WIDTH)
         # as if the reader clicked: a page may start audio only after a user gesture
         state = browser.send("Runtime.evaluate", {"expression": PLAY_CHECK, "awaitPromise": True,
                                                   "returnByValue": True, "userGesture": True},
