@@ -70,14 +70,23 @@ def _schema_number(schema_name: str, dotted: str, kind):
     return parse
 
 
-def _attempt(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 1 (Snakemake counts attempts from 1)")
-    return value
+def _whole_number(low: int, high: int | None, why: str):
+    """An argparse type for an integer option within [low, high]; `why` explains the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= {low}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"{low} to {high}"
+            raise argparse.ArgumentTypeError(f"{value}: must be {bounds} ({why})")
+        return value
+
+    return parse
+
+
+_attempt = _whole_number(1, None, "Snakemake counts attempts from 1")
+_jobs = _whole_number(1, 64, "processes")
 
 
 def resolve_preset(name: str, cfg: dict, sets: list[tuple[str, object]] | None = None) -> dict:
@@ -258,16 +267,6 @@ def _estimate_records(folder: str | None, tiers: list[str]) -> dict[str, dict]:
         if record is not None:
             records[tier] = record
     return records
-
-
-def _jobs(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= 1") from None
-    if not 1 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"{value}: must be 1 to 64 (processes)")
-    return value
 
 
 def cmd_calibrate(args, cfg):
