@@ -10,6 +10,11 @@ what auto picks whenever its booking fits the budget).
 
     python bench/cpu_rss.py                        # all presets -> bench/results/cpu_rss.md
     python bench/cpu_rss.py --only cpu_tiny --phases cpu_tiny --no-write   # where the memory goes
+    python bench/cpu_rss.py --random 24 --seed 21 --jobs 2   # drawn presets -> bench/results/cpu_rss_random.md
+
+--random N draws N presets from issue 21's ranges instead (draw_preset; the seed reproduces the
+draw), --jobs trains a preset's two malloc variants at once. The process allowance is measured
+afresh first (--keep-allowance: this boot's kept one).
 
 --phases also runs the presets it names once more in a probe process that samples its own RSS
 every millisecond and marks the trainer's phases (gate/trace, build, step, validate, checkpoint, export); what it
@@ -58,6 +63,12 @@ PRESETS = {
                                      "train.grad_accum": 2, "train.precision": "fp32",
                                      "train.validate_segments": 2},
                            "8 kHz, 1.5 s, n_fft 512, 5 layers x 48, accumulation 2"),
+    "issue21_acc2": ("small", {"audio.segment_samples": 66150, "audio.n_fft": 512, "audio.hop": 128,
+                               "model.n_layers": 2, "model.emb_dim": 32, "model.attention_dim": 32,
+                               "model.n_heads": 2, "model.ffn_hidden": 64, "model.norm_groups": 2,
+                               "train.batch_size": 1, "train.grad_accum": 2, "train.precision": "fp32",
+                               "train.validate_segments": 2},
+                     "44.1 kHz, 1.5 s, n_fft 512, 2 layers x 32, accumulation 2 (issue 21)"),
 }
 VARIANTS = {"tuned": "tuned", "default": "glibc_default"}   # bench variant -> train.host_malloc
 
@@ -101,11 +112,19 @@ def child_env(threads: int) -> dict:
     return {**env, "OMP_NUM_THREADS": str(threads)}
 
 
-def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases: bool) -> dict:
+def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases: bool, jobs: int = 1) -> dict:
+    return measure_preset(name, PRESETS[name][2], make_preset(name, steps), work, threads, variants, phases, jobs)
+
+
+def measure_preset(name: str, what: str, preset: dict, work: Path, threads: int, variants, phases: bool = False,
+                   jobs: int = 1, record: dict | None = None) -> dict:
+    """The cpu trace estimate and booking of `preset`, and the peak RSS of a real `tiersep train`
+    process in each malloc variant (`jobs` of them at once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tiersep.memory import cpu_process
     from tiersep.memory.estimate import estimate
 
-    preset = make_preset(name, steps)
     files = {}
     for variant, mode in VARIANTS.items():   # one preset file per host-malloc mode
         files[variant] = work / "presets" / f"{name}.{variant}.yaml"
@@ -114,12 +133,14 @@ def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases
                                                  sort_keys=False))
     data = prepared(work, preset["audio"]["sample_rate"])
     start = time.time()
-    record = estimate(preset, "trace", "cpu")
-    row = {"preset": name, "what": PRESETS[name][2], "live_bytes": record["peak_bytes"],
+    record = record or estimate(preset, "trace", "cpu")
+    row = {"preset": name, "what": what, "live_bytes": record["peak_bytes"],
+           "grad_accum": preset["train"]["grad_accum"], "checkpointing": preset["model"]["checkpointing"],
            "largest_allocation_bytes": record["largest_allocation_bytes"],
            "booking": cpu_process.booking(record, preset), "estimate_s": round(time.time() - start, 1),
            "runs": {}}
-    for variant in variants:
+
+    def train(variant):
         out = work / "runs" / variant / name
         log_path = out.parent / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,13 +154,84 @@ def run_preset(name: str, work: Path, steps: int, threads: int, variants, phases
         applied = bool((run.get("malloc") or {}).get("applied"))
         if applied != (variant == "tuned"):
             raise RuntimeError(f"{name} ({variant}): run.json malloc is {run.get('malloc')}")
-        row["runs"][variant] = {**result, "wall_s": round(time.time() - started, 1),
-                                "start_process_bytes": run["start_process_bytes"],
-                                "steps_per_s": run["steps_per_s"]}
+        measured = {**result, "wall_s": round(time.time() - started, 1),
+                    "start_process_bytes": run["start_process_bytes"], "steps_per_s": run["steps_per_s"]}
         if phases:
-            row["runs"][variant]["phases"] = phase_profile(files[variant], data, work / "phases" / variant / name,
-                                                           threads)
+            measured["phases"] = phase_profile(files[variant], data, work / "phases" / variant / name, threads)
+        return variant, measured
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        row["runs"] = dict(pool.map(train, variants))
     return row
+
+
+# ------------------------------------------------------------------------------------------------
+# --random: presets nobody tuned for
+# ------------------------------------------------------------------------------------------------
+# The ranges of issue 21, at the sample rates of the CPU tiers (8 kHz), the synthetic set (16 kHz)
+# and MUSDB18 (44.1 kHz); fp32, no dropout. A draw whose cpu trace exceeds --max-live-gib is drawn
+# again (CPU-sized presets: the bench trains each one four times on two cores).
+RANDOM_RATES = (8000, 16000, 44100)
+RANDOM_N_FFT = (256, 512, 1024)
+RANDOM_EMB = (16, 24, 32, 48, 64)
+
+
+def draw_preset(rng) -> tuple[dict, str, int]:
+    """One random CPU preset from `rng` (random.Random): (cpu_small with the drawn fields, what it
+    is in words, its steps)."""
+    from tiersep import config as C
+
+    rate = rng.choice(RANDOM_RATES)
+    seconds = rng.uniform(0.25, 2.0)
+    n_fft = rng.choice(RANDOM_N_FFT)
+    hop = n_fft // rng.choice((4, 2))
+    emb = rng.choice(RANDOM_EMB)
+    heads = rng.choice([h for h in (1, 2, 4) if (emb // h) % 2 == 0 and emb % h == 0])
+    groups = rng.choice([g for g in (1, 2, 4) if emb % g == 0])
+    fields = {
+        "audio.sample_rate": rate, "audio.segment_samples": max(n_fft, round(seconds * rate)),
+        "audio.n_fft": n_fft, "audio.hop": hop,
+        "model.n_layers": rng.randint(1, 4), "model.emb_dim": emb, "model.attention_dim": emb,
+        "model.n_heads": heads, "model.ffn_hidden": emb * rng.choice((2, 4)), "model.norm_groups": groups,
+        "model.checkpointing": rng.random() < 0.5,
+        "train.batch_size": rng.randint(1, 4), "train.grad_accum": rng.randint(1, 4),
+        "train.num_workers": rng.choice((0, 2)), "train.precision": "fp32",
+    }
+    steps = rng.choice((2, 3))
+    preset = C.load_preset("cpu_small", {"presets_dir": str(PRESETS_DIR)})
+    for key, value in {**COMMON, **fields, "train.steps": steps, "train.checkpoint_every": steps,
+                       "train.validate_segments": 2}.items():
+        preset = C.set_field(preset, key, value)
+    preset = C.validate(preset, "preset.schema.yaml", "random")
+    C.check_preset(preset, "random")
+    m, t = preset["model"], preset["train"]
+    what = (f"{rate / 1000:g} kHz, {seconds:.2f} s, n_fft {n_fft}/{hop}, {m['n_layers']} x {emb} ({heads} h), "
+            f"b{t['batch_size']} x acc{t['grad_accum']}" + (", ckpt" if m["checkpointing"] else "")
+            + f", {t['num_workers']} workers, {steps} steps")
+    return preset, what, steps
+
+
+def draw_presets(count: int, seed: int, max_live_bytes: int, want=None) -> tuple[list, int]:
+    """`count` random presets (name, preset, what, cpu trace record) from `seed`, each traced; those
+    whose live bytes exceed `max_live_bytes`, or that `want(preset)` refuses, are drawn again.
+    Returns them and how many draws were refused."""
+    import random
+
+    from tiersep.memory.estimate import estimate
+
+    rng, out, refused = random.Random(seed), [], 0
+    while len(out) < count:
+        preset, what, _ = draw_preset(rng)
+        if want is not None and not want(preset):
+            refused += 1
+            continue
+        preset["name"] = name = f"r{seed}_{len(out) + 1:02d}"
+        record = estimate(preset, "trace", "cpu")
+        if record["peak_bytes"] > max_live_bytes:
+            refused += 1
+            continue
+        out.append((name, preset, what, record))
+    return out, refused
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,7 +381,8 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         f"{info['cores']} cores, {info['ram_gib']} GiB RAM, torch {info['torch']}, Python {info['python']}, "
         f"{info['libc']}. Each preset: {args.steps} steps, validation after each, one checkpoint and the "
         f"export at the end, dropout 0, 0 loader workers, OMP_NUM_THREADS={args.threads}, no estimate file "
-        "(the gate traces in the train process). Presets: PRESETS in the script.", "",
+        "(the gate traces in the train process), the process allowance measured afresh first. Presets: "
+        "PRESETS in the script.", "",
         "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: "
         f"tuned = {booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
         f"({cpu_process.GLIBC_DEFAULT_FACTOR_CHECKPOINTED} x with checkpointing).",
@@ -315,17 +408,74 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def kinds(rows) -> list[tuple[str, list]]:
+    return [("accumulation 2-4, no checkpointing", [r for r in rows if r["grad_accum"] > 1 and not r["checkpointing"]]),
+            ("no accumulation, no checkpointing", [r for r in rows if r["grad_accum"] == 1 and not r["checkpointing"]]),
+            ("checkpointing", [r for r in rows if r["checkpointing"]])]
+
+
+def growth_range(rows, variant: str) -> str:
+    """(real peak - the booking's process allowance) / live bytes: the factor the booking needed."""
+    g = [(r["runs"][variant]["peak_rss_bytes"] - r["booking"]["process_bytes"]) / r["live_bytes"] for r in rows]
+    return f"{min(g):.2f}-{max(g):.2f}"
+
+
+def write_random_markdown(path: Path, rows, variants, base, info, args, refused: int, seconds: float) -> None:
+    from tiersep.memory import cpu_process
+
+    booking = rows[0]["booking"]
+    lines = [
+        "# CPU fit gate on random presets: booking vs the real train process's peak RSS", "",
+        f"Generated by `python bench/cpu_rss.py --random {args.random} --seed {args.seed} --max-live-gib "
+        f"{args.max_live_gib:g} --jobs {args.jobs}` on {time.strftime('%Y-%m-%d')}: {info['cpu']}, "
+        f"{info['cores']} cores (shared with other jobs), {info['ram_gib']} GiB RAM, torch {info['torch']}, "
+        f"Python {info['python']}, {info['libc']}, OMP_NUM_THREADS={args.threads}. It took "
+        f"{seconds / 60:.0f} minutes ({args.jobs} train processes at a time).", "",
+        "Presets drawn from issue 21's ranges with `random.Random(seed)` (`draw_preset`): cpu_small with "
+        f"a sample rate of {', '.join(f'{r / 1000:g}' for r in RANDOM_RATES)} kHz, segments 0.25-2 s, n_fft "
+        f"{'/'.join(map(str, RANDOM_N_FFT))}, hop n_fft/4 or n_fft/2, 1-4 layers, emb "
+        f"{'/'.join(map(str, RANDOM_EMB))} (attention = emb, ffn 2 or 4 x emb, 1/2/4 heads and norm groups "
+        "that divide it), micro-batch 1-4, accumulation 1-4, checkpointing on or off, 0 or 2 loader "
+        "workers, 2 or 3 steps; fp32, dropout 0, validation (2 segments) after every step, one "
+        "checkpoint and the export at the end; the process allowance measured afresh first. "
+        f"{refused} draws whose cpu trace exceeded "
+        f"{args.max_live_gib:g} GiB of live tensors were drawn again (CPU-sized presets).", "",
+        "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: tuned = "
+        f"{booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
+        f"({cpu_process.GLIBC_DEFAULT_FACTOR_CHECKPOINTED} x with checkpointing).",
+        "- real: peak RSS of the whole `tiersep train` process (its loader workers included), exit included "
+        "(`cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run) / live.", "",
+        *table(rows, variants), "",
+        f"Booking / real, tuned: {ratio_range(rows, 'tuned')}; default: {ratio_range(rows, 'default')} "
+        "(target 1.00 to 1.25). By kind (tuned; default):", "",
+        *[f"- {label} ({len(chosen)}): {ratio_range(chosen, 'tuned')}; {ratio_range(chosen, 'default')}, "
+          f"the default's peak {growth_range(chosen, 'default')} x live above the allowance"
+          for label, chosen in kinds(rows) if chosen], "",
+        f"The probe process (`cpu_process.process_allowance`) peaked at {base['probe_peak_bytes'] / MIB:.0f} MiB "
+        f"here ({base['source']}).",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(PRESETS), help="presets to run (default all)")
+    parser.add_argument("--random", type=int, metavar="N", help="N random presets instead (see --seed)")
+    parser.add_argument("--seed", type=int, default=21, help="of --random's draw")
+    parser.add_argument("--max-live-gib", type=float, default=2.0,
+                        help="--random draws again a preset whose cpu trace exceeds this")
+    parser.add_argument("--jobs", type=int, default=1, help="train processes at a time (each preset's variants)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the train processes")
     parser.add_argument("--phases", nargs="*", default=[], metavar="PRESET",
                         help="also profile RSS by trainer phase for these presets (slower)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tiersep-cpu-rss"))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_rss.md")
+    parser.add_argument("--out", type=Path, help="default bench/results/cpu_rss.md (cpu_rss_random.md with --random)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--keep-allowance", action="store_true",
+                        help="use this boot's kept process allowance instead of measuring it again first")
     parser.add_argument("--child-phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -337,17 +487,40 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from tiersep.memory import cpu_process
 
+    started = time.time()
+    if not args.keep_allowance:   # measured now, in the page-cache state the runs will see
+        cache = cpu_process.allowance_cache_file()
+        if cache is not None:
+            cache.unlink(missing_ok=True)
+        cpu_process.process_allowance.cache_clear()
     info, base = machine(), cpu_process.process_allowance()
     rows = []
-    for name in args.only or list(PRESETS):
-        rows.append(run_preset(name, args.work, args.steps, args.threads, args.variants, name in args.phases))
-        print("\n".join(table(rows[-1:], args.variants)[-1:]), flush=True)
+    if args.random:
+        drawn, refused = draw_presets(args.random, args.seed, int(args.max_live_gib * GIB))
+        for name, preset, what, record in drawn:
+            rows.append(measure_preset(name, what, preset, args.work, args.threads, args.variants,
+                                       name in args.phases, args.jobs, record))
+            print("\n".join(table(rows[-1:], args.variants)[-1:]), flush=True)
+    else:
+        for name in args.only or list(PRESETS):
+            rows.append(run_preset(name, args.work, args.steps, args.threads, args.variants, name in args.phases,
+                                   args.jobs))
+            print("\n".join(table(rows[-1:], args.variants)[-1:]), flush=True)
+    seconds = time.time() - started
     print("\n".join(table(rows, args.variants)))
+    print("booking / real: " + "; ".join(f"{v} {ratio_range(rows, v)}" for v in args.variants)
+          + f"; {seconds / 60:.1f} minutes")
     print(f"probe process peak: {base['probe_peak_bytes'] / MIB:.0f} MiB")
     if not args.no_write:
-        write_markdown(args.out, rows, args.variants, base, info, args)
-        print(f"wrote {args.out}")
-    (args.work / "rows.json").write_text(json.dumps({"machine": info, "baseline": base, "rows": rows}, indent=1))
+        out = args.out or ROOT / "bench" / "results" / ("cpu_rss_random.md" if args.random else "cpu_rss.md")
+        if args.random:
+            write_random_markdown(out, rows, args.variants, base, info, args, refused, seconds)
+        else:
+            write_markdown(out, rows, args.variants, base, info, args)
+        print(f"wrote {out}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.work / ("rows_random.json" if args.random else "rows.json")).write_text(
+        json.dumps({"machine": info, "baseline": base, "rows": rows, "seconds": seconds}, indent=1))
     return 0
 
 

@@ -131,6 +131,16 @@ FALLBACK_PROCESS_BYTES = 1174 * MIB
 # free, then most tensors live in a heap that only shrinks from the top) the peak grew 0.3-1.3x the
 # live bytes above the allowance, and 1.5-1.6x with checkpointing (its recomputation frees and
 # reallocates in a different order): booked at 1.40 and 2.0 (bench/results/cpu_rss.md, 7 presets).
+# 24 random presets (bench/results/cpu_rss_random.md, seed 21) grew 0.71-1.30x, and 0.73-1.80x
+# checkpointed. Gradient accumulation has no term of its own: train_step drops each micro-batch's
+# autograd graph right after its backward. Kept alive through the next forward (issue 21), its small
+# C++ nodes fenced the heap holes the freed activations left, posix_memalign(64) asks 96 bytes more
+# than an exact hole, and each later micro-batch's heap-served activations extended the heap: a
+# preset grew 1.7x and was booked at 0.89-0.96x its peak. What stays is the first micro-batch's
+# gradients (made during its backward, kept through the others): +0.1x live over the same micro-batch
+# without accumulation. Small objects living across big frees are what glibc's heap grows by: two train
+# processes' malloc logs (this preset; a checkpointed one) replayed through glibc peaked at 1.7x
+# their live bytes, and at 1.1-1.2x without their allocations under 4-32 KiB.
 # That mode is 2-4x faster than the tuned one (cpu_small: 1.31 vs 0.33 steps/s on 2 busy cores): it
 # is the default whenever its booking fits; the tuned settings are for a tight budget.
 GLIBC_DEFAULT_FACTOR = 1.40
