@@ -333,8 +333,9 @@ def test_booking_covers_the_real_train_process_within_25_percent(trained, name):
 # seed, among the draws at the 8 kHz of the test data: 104 accumulates (8 kHz, 1.78 s, n_fft
 # 1024/256, 2 x 48, micro-batch 1 x 2: 711 MiB live, every activation below glibc's 32 MiB mmap
 # ceiling, i.e. in its heap), 143 checkpoints, with 2 loader workers and 3 steps. Measured here (2
-# busy cores): 104 booked 1.11-1.13x its real peak over four runs (1795-1817 MiB), and 0.97x with
-# train_step as it was before issue 21's fix (2083 MiB); 143 booked 1.28x.
+# busy cores): 104 booked 1.11-1.13x its real peak over four runs (1795-1817 MiB) and 1.06-1.07x
+# its run's own peak before exit over three, and 0.97x with train_step as it was before issue 21's
+# fix (2083 MiB); 143 booked 1.28x, and 1.20-1.23x before exit.
 RANDOM_SEEDS = {"accumulating": 104, "checkpointed": 143}
 
 
