@@ -195,6 +195,31 @@ def fit_matrix_gpus():
         sys.exit(f"tiersep: invalid config: {err}")
 
 
+# Your own songs separated by each trained tier (separate.smk)
+def separate_tiers():
+    """The tiers that separate (separate.tiers, default: every trained tier)."""
+    wanted = CFG["separate"]["tiers"]
+    tiers = TRAINED if wanted is None else wanted
+    unknown = [t for t in tiers if t not in TRAINED]
+    if unknown:
+        sys.exit(
+            f"tiersep: invalid config: separate.tiers: {', '.join(unknown)} is not a trained tier "
+            f"(trained: {', '.join(TRAINED)})"
+        )
+    return tiers
+
+
+def separated_folders(wildcards):
+    """A folder per separating tier that trained (a refused tier has no model to separate with)."""
+    if not CFG["separate"]["inputs"]:
+        return []
+    return [
+        f"{RESULTS}/separated/{tier}"
+        for tier in separate_tiers()
+        if train_outcome(tier)["status"] == "trained"
+    ]
+
+
 wildcard_constraints:
     preset=r"[A-Za-z0-9_.=+-]+",
     rate=r"\d+",

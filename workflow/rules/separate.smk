@@ -3,28 +3,6 @@
 # sidecar per song. One job per tier, a fresh `tiersep separate` process (or container) as in
 # training, which chooses its chunk and batch under the memory budget itself. `rule all` never asks
 # for it, and with no inputs (the default) the target has nothing to do.
-import shlex
-
-
-def separate_tiers():
-    """The tiers that separate (separate.tiers, default: every trained tier)."""
-    wanted = CFG["separate"]["tiers"]
-    tiers = TRAINED if wanted is None else wanted
-    unknown = [t for t in tiers if t not in TRAINED]
-    if unknown:
-        sys.exit(f"tiersep: invalid config: separate.tiers: {', '.join(unknown)} is not a trained tier "
-                 f"(trained: {', '.join(TRAINED)})")
-    return tiers
-
-
-def separated_folders(wildcards):
-    """A folder per separating tier that trained (a refused tier has no model to separate with)."""
-    if not CFG["separate"]["inputs"]:
-        return []
-    return [f"{RESULTS}/separated/{tier}" for tier in separate_tiers()
-            if train_outcome(tier)["status"] == "trained"]
-
-
 rule separate:
     input:
         separated_folders,
