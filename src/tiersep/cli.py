@@ -281,19 +281,31 @@ def cmd_calibrate(args, cfg):
     return 0
 
 
-def cmd_train(args, cfg):
-    from tiersep.train.trainer import train
+def lease_gpu(wanted_device: str, job: str, count: int = 1):
+    """Lease this job's own GPUs (`count`: one per local rank) before anything starts CUDA
+    (tiersep.gpu_lease): for device cuda, or auto with a GPU visible; None on a CPU. Only train,
+    evaluate and separate open CUDA."""
+    from tiersep import gpu_lease
 
+    return gpu_lease.lease_for_device(wanted_device, job, count)
+
+
+def cmd_train(args, cfg):
     preset = resolve_preset(args.preset, cfg, args.set)
+    t = preset["train"]
+    lease_gpu(t["device"], "train", count=max(1, t.get("ranks", 1) // t.get("nodes", 1)))
+    from tiersep.train.trainer import train   # after the lease: nothing may start CUDA before it
+
     return train(cfg, preset, Path(args.data), Path(args.out), resume=args.resume,
                  estimate_path=Path(args.estimate) if args.estimate else None, attempt=args.attempt,
                  outcome_path=Path(args.outcome) if args.outcome else None)
 
 
 def cmd_evaluate(args, cfg):
-    from tiersep.evaluate.run import evaluate
-
     preset = resolve_preset(args.preset, cfg, args.set)
+    lease_gpu(preset["train"]["device"], "evaluate")
+    from tiersep.evaluate.run import evaluate   # after the lease, as in cmd_train
+
     evaluate(cfg, preset, Path(args.model), Path(args.data), Path(args.out))
     return 0
 
@@ -331,6 +343,7 @@ def cmd_separate(args, cfg):
                         stems=args.stems, budget_gib=args.budget, device=args.device, overlap=args.overlap,
                         shifts=args.shifts, seed=args.seed, format=args.format, bits=args.bits,
                         clip=args.clip, filename=args.filename, chunk_seconds=args.chunk, max_batch=args.batch)
+    lease_gpu(opts.device, "separate")
     summary = separate(cfg, opts)
     print(f"separated {len(summary['songs'])} song(s) into {args.out}")
     return 0
@@ -528,7 +541,8 @@ def _names_an_input(err: OSError, args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 2 bad input (one line naming the file, field or option); 3 does not fit
     the budget (fit, or a refused train); train's own codes (4, 75) and subclasses' `exit_code`
-    (5: the output folder is busy); 130 interrupted. Anything else is a bug and keeps its traceback."""
+    (5: the output folder is busy; 6: no GPU came free within the lease timeout); 130 interrupted.
+    Anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
         if args.config == DEFAULT_CONFIG and not Path(DEFAULT_CONFIG).is_file():

@@ -176,26 +176,37 @@ def exclusive(folder: str | Path, option: str = "--out", wait: bool = False) -> 
             else:
                 raise
         if locked:   # unlocked, another writer's temporaries may be live: leave them
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_me()).encode(), 0)
+            write_holder(fd)
             remove_stale_temps(folder)
         yield folder
     finally:
         os.close(fd)   # releases the lock; the file stays (removing it would race a waiting writer)
 
 
-def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
-            "since": dt.datetime.now().isoformat(timespec="seconds")}
+def write_holder(fd: int, **extra) -> None:
+    """Write who holds the lock on `fd` into its file (pid, host, command, since; plus `extra`), for
+    the message of whoever finds it taken. Call only while holding the lock."""
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
+          "since": dt.datetime.now().isoformat(timespec="seconds"), **extra}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+
+
+def read_holder(fd: int) -> dict | None:
+    """What write_holder wrote into the lock file on `fd` ({"pid", "host", ...}), or None."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and "pid" in info and "host" in info else None
 
 
 def _holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return (f"pid {info['pid']} on {info['host']} (since {info.get('since', '?')}: "
-                f"{str(info.get('command', ''))[:120]})")
-    except (OSError, ValueError, KeyError, TypeError):
+    info = read_holder(fd)
+    if info is None:
         return "another process"
+    return (f"pid {info['pid']} on {info['host']} (since {info.get('since', '?')}: "
+            f"{str(info.get('command', ''))[:120]})")
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:

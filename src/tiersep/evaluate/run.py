@@ -24,6 +24,7 @@ from tiersep.evaluate import listen, metrics
 from tiersep.evaluate.scoring import (TrackTask, aggregate_scores, available_cores, museval_peak_bytes,
                                       resolve_workers, score_tracks, write_scores)
 from tiersep.evaluate.separate import separate
+from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.io import atomic_dir
 from tiersep.outputs import check, claim, exclusive, only_names
 
@@ -176,7 +177,8 @@ def _evaluate(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Path, o
               "protocol": protocol_text(rate, settings), "seconds": time.perf_counter() - began,
               "skipped": skipped, "model": str(model_path) if model_path else None, "step": step,
               "device": device.type, "precision": precision, "chunk_seconds": settings["chunk_seconds"],
-              "overlap": settings["overlap"], "workers": workers, "museval_version": _museval_version()}
+              "overlap": settings["overlap"], "workers": workers, "museval_version": _museval_version(),
+              "gpu_lease": gpu_lease_record()}
     scores = _json_ready(scores)
     write_scores(out_dir / "scores.json", scores)
     _print_summary(scores)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from tiersep import config as C
 from tiersep.config import ConfigError
+from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory.constants import GIB
 from tiersep.outputs import check, claim, exclusive
 
@@ -256,7 +257,7 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
                      "overlap": opts.overlap, "shifts": opts.shifts, "seed": opts.seed,
                      "filename": opts.filename, "device": plan.device.type, "precision": preset["train"]["precision"]},
         "chunk_samples": plan.chunk_samples, "chunk_seconds": plan.chunk_samples / preset["audio"]["sample_rate"],
-        "batch": plan.batch,
+        "batch": plan.batch, "gpu_lease": gpu_lease_record(),
         "memory": {"budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
                    "estimated_bytes": plan.estimate["gate_required_bytes"],
                    "estimated_peak_bytes": plan.estimate["peak_bytes"],

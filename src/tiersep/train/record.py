@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.io import torch_save, write_json
 from tiersep.records import validate_record
 from tiersep.train import checkpoint as ckpt
@@ -68,7 +69,7 @@ def run_record(run, weights_step: int) -> dict:
     est = plan.estimate or {}
     return {
         "preset": run.preset["name"], **host_info(), "device": describe_device(plan.device),
-        "device_type": plan.device.type, "start_free_bytes": plan.start_free,
+        "device_type": plan.device.type, "gpu_lease": gpu_lease_record(), "start_free_bytes": plan.start_free,
         "start_process_bytes": plan.start_process,
         "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_reserved, **measured,
         "allocator": plan.allocator if plan.device.type == "cuda" else None,
