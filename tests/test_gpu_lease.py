@@ -252,3 +252,32 @@ def test_a_child_of_a_lessee_is_covered_by_its_lease(machine):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True 0 0"
+
+
+def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
+    """gpu_info maps CUDA's numbering onto NVML's: by index, by UUID prefix, and none when hidden."""
+    gib = 2**30
+    fake = [{"uuid": "GPU-aaaa", "free": 1 * gib}, {"uuid": "GPU-bbbb", "free": 2 * gib},
+            {"uuid": "GPU-cccc", "free": 3 * gib}, {"uuid": "GPU-dddd", "free": 4 * gib}]
+    monkeypatch.setenv(gpu_info.FAKE_GPUS_ENV, json.dumps(fake))
+    monkeypatch.setenv(gpu_lease.VISIBLE_ENV, "1,3")
+    assert (gpu_info.nvml_index(0), gpu_info.nvml_index(1), gpu_info.nvml_index(2)) == (1, 3, None)
+    assert gpu_info.free_bytes() == 2 * gib
+    monkeypatch.setenv(gpu_lease.VISIBLE_ENV, "GPU-ccc,GPU-a,-1,0")   # CUDA ignores from the bad entry on
+    assert gpu_info.visible_entries() == ["GPU-ccc", "GPU-a"]
+    assert (gpu_info.nvml_index(0), gpu_info.nvml_index(1)) == (2, 0)
+    assert gpu_info.name() == "Fake GPU 2" and gpu_info.processes() == []
+    monkeypatch.setenv(gpu_lease.VISIBLE_ENV, "")
+    assert gpu_info.free_bytes() is None and gpu_info.name() is None
+    monkeypatch.delenv(gpu_lease.VISIBLE_ENV)
+    assert gpu_info.free_bytes() == 1 * gib
+
+
+def test_calibrate_leases_the_gpu_it_measures(machine, tmp_path):
+    """`tiersep calibrate` runs a step on the GPU, so it leases one first (here the fake GPU; then
+    torch finds no CUDA and calibrate stops with its own one-line error)."""
+    proc = subprocess.run([sys.executable, "-m", "tiersep.cli", "calibrate", "--out", str(tmp_path / "c.json")],
+                          cwd=REPO, env=machine["env"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "tiersep calibrate: leased GPU 0 (Fake GPU 0); CUDA_VISIBLE_DEVICES=0" in proc.stderr
+    assert (machine["leases"] / "gpu0.lock").is_file()

@@ -173,6 +173,7 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
     device = estimate_device(cfg, name, preset, args.device)
     method = args.method or cfg["estimate"]["method"]
     if method == "measure" and device == "cuda":
+        lease_gpu("cuda", "estimate")   # a measured step runs on the GPU: on one of its own
         import torch
 
         if not torch.cuda.is_available():
@@ -273,6 +274,7 @@ def cmd_calibrate(args, cfg):
     from tiersep.io import write_json
     from tiersep.memory.calibration import measure
 
+    lease_gpu("cuda", "calibrate")   # measures a GPU that no other job is using
     record = measure(progress=lambda line: print(line, file=sys.stderr))
     write_json(args.out, record)
     print(f"{record['name']}: context {record['context_bytes'] / 2**20:.0f} MiB, cuBLAS workspace "
@@ -284,7 +286,7 @@ def cmd_calibrate(args, cfg):
 def lease_gpu(wanted_device: str, job: str, count: int = 1):
     """Lease this job's own GPUs (`count`: one per local rank) before anything starts CUDA
     (tiersep.gpu_lease): for device cuda, or auto with a GPU visible; None on a CPU. Only train,
-    evaluate and separate open CUDA."""
+    evaluate and separate open CUDA (and calibrate and a measured estimate, which run a step there)."""
     from tiersep import gpu_lease
 
     return gpu_lease.lease_for_device(wanted_device, job, count)

@@ -96,16 +96,21 @@ def index_of(entry: str, known: list[dict] | None) -> int | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _cuda0(index: int | None) -> int | None:
-    """`index`, or when None the NVML index of the GPU this process sees as cuda:0."""
-    if index is not None:
-        return index
+def nvml_index(cuda_index: int = 0) -> int | None:
+    """The NVML index of the GPU this process sees as cuda:`cuda_index` (a data-parallel rank's is
+    its local rank); None when no such GPU is visible."""
     entries = visible_entries()
     if entries is None:
-        return 0
-    if not entries:
-        return None   # CUDA_VISIBLE_DEVICES hides every GPU
-    return index_of(entries[0], devices() if not entries[0].isdigit() else None)
+        return cuda_index
+    if cuda_index >= len(entries):
+        return None   # CUDA_VISIBLE_DEVICES hides it
+    entry = entries[cuda_index]
+    return index_of(entry, devices() if not entry.isdigit() else None)
+
+
+def _cuda0(index: int | None) -> int | None:
+    """`index`, or when None the NVML index of the GPU this process sees as cuda:0."""
+    return nvml_index(0) if index is None else index
 
 
 def _fake(index: int | None) -> dict | None:
