@@ -281,3 +281,23 @@ def test_calibrate_leases_the_gpu_it_measures(machine, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "tiersep calibrate: leased GPU 0 (Fake GPU 0); CUDA_VISIBLE_DEVICES=0" in proc.stderr
     assert (machine["leases"] / "gpu0.lock").is_file()
+
+
+def test_run_json_records_the_lease(machine, tmp_path):
+    """A real `tiersep train` with train.device auto on a machine with one (fake) GPU leases it, and
+    run.json says which; torch finds no CUDA here, so the 2 steps run on the CPU. The same run with
+    device cpu records no lease."""
+    from test_train_support import cli_train, make_workspace
+
+    ws = make_workspace(tmp_path / "ws")
+    env = {k: v for k, v in machine["env"].items() if k != "PYTHONPATH"}
+    runs = {}
+    for device in ("auto", "cpu"):
+        out = tmp_path / f"run_{device}"
+        proc = cli_train(ws, out, "--set", f"train.device={device}", "--set", "train.steps=2", env=env)
+        assert proc.wait(timeout=300) == 0, Path(str(out) + ".log").read_text()
+        runs[device] = json.loads((out / "run.json").read_text())
+    lease = runs["auto"]["gpu_lease"]
+    assert (lease["index"], lease["name"], lease["cuda_visible_devices"]) == (0, "Fake GPU 0", "0")
+    assert lease["lock"] == str(machine["leases"] / "gpu0.lock") and lease["visible_before"] is None
+    assert runs["auto"]["device_type"] == "cpu" and runs["cpu"]["gpu_lease"] is None
