@@ -164,13 +164,9 @@ def visible_gpus() -> list[Gpu]:
 def lease_for_device(wanted: str, job: str, count: int = 1) -> GpuLease | None:
     """The lease of a job whose device setting is `wanted` (cuda, cpu or auto): `count` GPUs (one
     per local rank) for cuda, and for auto when a GPU is visible; None for cpu, or when no GPU is
-    visible (the job's own device check then says so)."""
-    if wanted == "cpu":
-        return None
-    if not visible_gpus():
-        if wanted == "cuda" and gpu_info.visible_entries() is None and gpu_info.devices() is None:
-            print(f"tiersep {job}: NVML cannot list the GPUs, so this job leases none; set {VISIBLE_ENV} "
-                  "to give it its own", file=sys.stderr)
+    visible (the job's own device check then says so, in one line). Without NVML (no driver) and
+    without CUDA_VISIBLE_DEVICES nothing is visible to lease: set it to give such a job its GPU."""
+    if wanted == "cpu" or not visible_gpus():
         return None
     return lease_gpus(job, count)
 
