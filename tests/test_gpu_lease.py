@@ -301,3 +301,13 @@ def test_run_json_records_the_lease(machine, tmp_path):
     assert (lease["index"], lease["name"], lease["cuda_visible_devices"]) == (0, "Fake GPU 0", "0")
     assert lease["lock"] == str(machine["leases"] / "gpu0.lock") and lease["visible_before"] is None
     assert runs["auto"]["device_type"] == "cpu" and runs["cpu"]["gpu_lease"] is None
+
+
+def test_a_torchrun_rank_without_its_launchers_lease_takes_none(machine, monkeypatch):
+    """Ranks that torchrun starts directly (several nodes, under srun) share the node's GPUs: none of
+    them leases (each asking for all of them would wait for the others until the timeout)."""
+    monkeypatch.setenv(gpu_lease.LEASE_DIR_ENV, str(machine["leases"]))
+    monkeypatch.setenv(gpu_info.FAKE_GPUS_ENV, "2")
+    monkeypatch.setenv(gpu_lease.TORCHRUN_ENV, "job-1")
+    assert cli.lease_gpu("cuda", "train", count=2) is None
+    assert gpu_lease.current() is None and not machine["leases"].exists()

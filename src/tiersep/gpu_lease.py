@@ -18,7 +18,9 @@ it initialises):
 - the job then sets CUDA_VISIBLE_DEVICES to its lease (the entry it was given, or the UUID when it
   chose among all GPUs: CUDA's default order is fastest first, NVML's is PCI bus order, and a
   UUID names the same GPU in both), so it runs on cuda:0, and its gate reads that GPU's free
-  memory. TIERSEP_GPU_LEASE_HELD tells child processes that the parent's lease covers them.
+  memory. TIERSEP_GPU_LEASE_HELD tells child processes that the parent's lease covers them (the
+  ranks of a data-parallel job that its launcher started under torchrun with one GPU per rank);
+  a rank that torchrun started without such a lease (several nodes, under srun) takes none.
 
 The lease folder is shared by every job of the machine: TIERSEP_GPU_LEASE_DIR, by default
 /tmp/tiersep-gpus-<uid> (not $TMPDIR or $XDG_RUNTIME_DIR, which SLURM and login sessions set per
@@ -43,6 +45,7 @@ LEASE_DIR_ENV = "TIERSEP_GPU_LEASE_DIR"
 TIMEOUT_ENV = "TIERSEP_GPU_LEASE_TIMEOUT"
 HELD_ENV = "TIERSEP_GPU_LEASE_HELD"   # set by a lessee for its children: CUDA_VISIBLE_DEVICES it leased
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"   # set by torchrun in every rank it starts
 DEFAULT_TIMEOUT_SECONDS = 3600.0
 POLL_SECONDS = 0.2
 EXIT_NO_GPU = 6
@@ -183,6 +186,10 @@ def lease_gpus(job: str, count: int = 1, timeout: float | None = None) -> GpuLea
     if inherited is not None:
         _current = inherited
         return inherited
+    if TORCHRUN_ENV in os.environ:
+        # a rank that torchrun started without a lease of its launcher (several nodes, srun): the
+        # ranks of a node share its GPUs, so each leasing all of them would wait for the others
+        return None
     gpus = visible_gpus()
     if not gpus:
         return None
