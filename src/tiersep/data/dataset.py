@@ -106,21 +106,34 @@ class SegmentDataset:
             return mixture, stems, {"draws": draw + 1, "stems": plan}
         return mixture, stems
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        items = [self.segment(step, i) for i in range(batch_size)]
+    def batch(self, step: int, batch_size: int, indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segments 0..batch_size-1 of step `step`, or the given segment `indices` of it (a rank's
+        share of the step's global batch: rank_segments)."""
+        items = [self.segment(step, i) for i in (range(batch_size) if indices is None else indices)]
         mixture = torch.from_numpy(np.stack([m for m, _ in items]))  # [B, C, S]
         stems = torch.from_numpy(np.stack([s for _, s in items]))  # [B, n_src, C, S]
         return mixture, stems
 
 
-class _StepBatches(torch.utils.data.Dataset):
-    """Map-style view for torch's DataLoader: item `step` is the whole batch of that step."""
+def rank_segments(micro_batch: int, grad_accum: int, rank: int, ranks: int) -> list[int]:
+    """The segment indices of one step that `rank` of `ranks` trains on, micro-batch after
+    micro-batch. The step's global batch is ranks x micro_batch x grad_accum segments; global
+    micro-batch j is segments [j*ranks*m, (j+1)*ranks*m) and rank r takes its r-th slice of m. So the
+    ranks' micro-batch j together is micro-batch j of one process with micro-batch ranks*m: the same
+    segments in the same order whatever the world size (data-parallel tiers, docs/training.md)."""
+    width = ranks * micro_batch
+    return [j * width + rank * micro_batch + k for j in range(grad_accum) for k in range(micro_batch)]
 
-    def __init__(self, dataset: SegmentDataset, batch_size: int):
-        self.dataset, self.batch_size = dataset, batch_size
+
+class _StepBatches(torch.utils.data.Dataset):
+    """Map-style view for torch's DataLoader: item `step` is the whole batch of that step (or this
+    rank's share of it: `indices`)."""
+
+    def __init__(self, dataset: SegmentDataset, batch_size: int, indices=None):
+        self.dataset, self.batch_size, self.indices = dataset, batch_size, indices
 
     def __getitem__(self, step: int):
-        return (step, *self.dataset.batch(step, self.batch_size))
+        return (step, *self.dataset.batch(step, self.batch_size, self.indices))
 
 
 class _Steps(torch.utils.data.Sampler):
@@ -276,16 +289,17 @@ def dead_worker(err: BaseException | str) -> dict | None:
 
 
 def make_loader(dataset: SegmentDataset, batch_size: int, num_workers: int, start_step: int = 0,
-                stop_step: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                stop_step: int | None = None, indices=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (step, mixture[B, C, S], stems[B, n_src, C, S]) for start_step, start_step + 1, ...
     (up to stop_step, exclusive, or forever), in order; the same content whatever num_workers is.
+    `indices`: only these segments of every step (a data-parallel rank's share, rank_segments).
     Workers (processes) prefetch the next batches while the caller trains; they ignore SIGTERM,
     SIGINT and SIGUSR1 (ignore_stop_signals). Close the returned generator to stop them."""
     if num_workers <= 0:
         steps = range(start_step, stop_step) if stop_step is not None else itertools.count(start_step)
-        return ((step, *dataset.batch(step, batch_size)) for step in steps)
+        return ((step, *dataset.batch(step, batch_size, indices)) for step in steps)
     loader = torch.utils.data.DataLoader(
-        _StepBatches(dataset, batch_size), batch_size=None, sampler=_Steps(start_step, stop_step),
+        _StepBatches(dataset, batch_size, indices), batch_size=None, sampler=_Steps(start_step, stop_step),
         num_workers=num_workers, prefetch_factor=2, persistent_workers=False,
         worker_init_fn=ignore_stop_signals,
         # its own generator: creating the loader must not consume the global torch RNG (the

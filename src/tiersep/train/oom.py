@@ -61,7 +61,9 @@ def plan_micro_batch(preset: dict, attempt: int, failure: dict | None, resumed: 
     t = preset["train"]
     batch, accum = t["batch_size"], t["grad_accum"]
     effective = batch * accum
-    if resumed and resumed.get("batch_size", 0) * resumed.get("grad_accum", 0) == effective:
+    # (on the same number of ranks: another world size starts from the preset's micro-batch)
+    if (resumed and resumed.get("ranks", 1) == t["ranks"]
+            and resumed.get("batch_size", 0) * resumed.get("grad_accum", 0) == effective):
         batch, accum = resumed["batch_size"], resumed["grad_accum"]
     if attempt >= 2 and failure and failure.get("kind") == "oom":
         failed = (failure.get("batch_size", batch), failure.get("grad_accum", accum))

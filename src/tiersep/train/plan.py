@@ -111,8 +111,11 @@ def usable_estimate(estimate_path, preset: dict, device: torch.device, allocator
     return record, None
 
 
-def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path, attempt: int) -> RunPlan:
-    """Everything decided before the run allocates anything (see module docstring)."""
+def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path, attempt: int,
+             gated_on_main: bool = False, main_estimate: dict | None = None) -> RunPlan:
+    """Everything decided before the run allocates anything (see module docstring).
+    `gated_on_main`: a data-parallel rank other than 0 plans with rank 0's gate verdict (its
+    `main_estimate`) instead of gating again."""
     from tiersep.memory import DoesNotFit, gate
 
     preset = copy.deepcopy(preset)
@@ -142,6 +145,9 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
         plan.recovered_from = previous_failure   # only an OOM is "recovered from" by this run
     elif state:
         plan.recovered_from = state["run"].get("recovered_from")
+    if gated_on_main:
+        plan.estimate, plan.malloc = main_estimate, host_malloc(device, main_estimate)
+        return plan
     plan.refusal = cpu_refusal(preset) if device.type == "cpu" else None
     if plan.refusal is not None:
         return plan

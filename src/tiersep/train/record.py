@@ -81,7 +81,8 @@ def run_record(run, weights_step: int) -> dict:
         "parameters": run.parameters,
         "attention_backend": est.get("attention_backend", run.preset["model"]["attention_backend"]),
         "precision": t["precision"], "batch_size": t["batch_size"], "grad_accum": t["grad_accum"],
-        "effective_batch": t["batch_size"] * t["grad_accum"], "lr": t["lr"], "seed": t["seed"],
+        "ranks": t["ranks"], "nodes": t["nodes"],
+        "effective_batch": t["batch_size"] * t["grad_accum"] * t["ranks"], "lr": t["lr"], "seed": t["seed"],
         "attempt": plan.attempt, "downshifted_from": plan.downshifted_from,
         "recovered_from": plan.recovered_from, "resumed_from": run.resumed_from,
         "resume_warning": plan.resume_warning,
@@ -97,6 +98,14 @@ def run_record(run, weights_step: int) -> dict:
         "extended_from": run.run_info.get("extended_from") or None,
         "compile": run.compile_info,
     }
+
+
+def rank_memory(run) -> dict:
+    """One rank's line of run.json's per_rank (gathered by rank 0): where it ran and its peak
+    memory (resident set on a CPU, device use and allocator peaks on a GPU)."""
+    peak_alloc, peak_reserved = run.plan.probe.peaks()
+    return {"rank": run.ranks.rank, **host_info(), "device": describe_device(run.device),
+            "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_reserved, **run.plan.probe.record()}
 
 
 # What a training process writes into its run folder (a folder holding nothing else, and no stamp,

@@ -17,7 +17,7 @@ RESUMABLE_DIFFERENCES = {("name",), ("description",), ("train", "batch_size"), (
                          ("train", "num_workers"), ("train", "checkpoint_every"),
                          ("train", "validate_every"), ("train", "allow_cpu"), ("train", "device"),
                          ("train", "compile"), ("train", "compile_mode"),
-                         ("train", "cuda_expandable_segments")}
+                         ("train", "cuda_expandable_segments"), ("train", "ranks"), ("train", "nodes")}
 
 
 def resume_state(out_dir: Path, preset: dict, resume: bool,
@@ -39,12 +39,22 @@ def resume_state(out_dir: Path, preset: dict, resume: bool,
     if warning:
         print(f"tiersep train: warning: {warning}", file=sys.stderr)
     differ = preset_differences(state["preset"], preset)
+    before, now = state["preset"]["train"], preset["train"]
+    if before.get("ranks", 1) != now["ranks"] and effective_batch(before) != effective_batch(now):
+        # another world size continues the run only with the same effective batch
+        return None, (f"{last} was trained with an effective batch of {effective_batch(before)} "
+                      f"(ranks x batch_size x grad_accum); this {preset['name']} has {effective_batch(now)}")
     if extension(state, preset) is not None:
         return state, None
     if differ:
         return None, (f"{last} was written for a different {preset['name']} preset (differs in "
                       f"{', '.join(differ)})")
     return state, None
+
+
+def effective_batch(train: dict) -> int:
+    """Segments per optimisation step: ranks x micro-batch x accumulation."""
+    return train.get("ranks", 1) * train["batch_size"] * train["grad_accum"]
 
 
 def preset_differences(a: dict, b: dict, prefix: tuple = ()) -> list[str]:

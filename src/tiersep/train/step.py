@@ -39,18 +39,24 @@ def train_step(
     """Forward/backward every micro-batch (mixture [B, C, S], stems [B, n_src, C, S]), clip, step.
 
     The loss of each micro-batch is divided by the number of micro-batches, so accumulating
-    `grad_accum` micro-batches of size b gives the gradient of one batch of size b*grad_accum.
+    `grad_accum` micro-batches of size b gives the gradient of one batch of size b*grad_accum; under
+    DistributedDataParallel the ranks' gradients are then averaged, which gives that of one batch of
+    size b*grad_accum*ranks (each rank's micro-batches the same size).
     Returns (mean loss, gradient norm before clipping) as 0-dim tensors.
     """
     micro_batches = list(micro_batches)
     n = len(micro_batches)
     optimizer.zero_grad(set_to_none=True)
     total = None
-    for mixture, stems in micro_batches:
-        with autocast(preset, device_type):
-            estimates = model(mixture)
-        loss = loss_fn(estimates.float(), stems) / n
-        loss.backward()
+    for index, (mixture, stems) in enumerate(micro_batches):
+        # DistributedDataParallel all-reduces gradients in backward: only the last micro-batch's
+        # needs to, the others accumulate locally (no_sync covers its forward and backward)
+        sync = model.no_sync() if index < n - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()
+        with sync:
+            with autocast(preset, device_type):
+                estimates = model(mixture)
+            loss = loss_fn(estimates.float(), stems) / n
+            loss.backward()
         # Drop this micro-batch's estimates and autograd graph now, not when the next forward
         # reassigns them: the graph's hundreds of small C++ nodes, made between the activations,
         # fence the heap holes those leave, and on a CPU with glibc's malloc the next micro-batch's

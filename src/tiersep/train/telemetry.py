@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import platform
 import resource
@@ -86,6 +87,38 @@ def column_max(path: Path, column: str) -> int:
                 if value.isdigit():
                     best = max(best, int(value))
     return best
+
+
+# Debugging the data order: with TIERSEP_TRACE_SEGMENTS=FILE every rank appends one JSON line per
+# step to FILE: {"step", "rank", "segments": the step's segment indices it trains on, "sums": the sum
+# of each segment's mixture}. Two runs that should see the same data (another world size, a resume)
+# can then be compared line by line.
+TRACE_SEGMENTS_ENV = "TIERSEP_TRACE_SEGMENTS"
+
+
+class SegmentTrace:
+    """The TIERSEP_TRACE_SEGMENTS log of one rank (does nothing when the variable is unset)."""
+
+    def __init__(self, path: str | None, rank: int):
+        self.path, self.rank = path, rank
+
+    @classmethod
+    def from_env(cls, rank: int) -> "SegmentTrace":
+        return cls(os.environ.get(TRACE_SEGMENTS_ENV) or None, rank)
+
+    def write(self, step: int, segments: list[int] | None, mixture: torch.Tensor) -> None:
+        """mixture: [B, C, S], this rank's segments of the step in order."""
+        if self.path is None:
+            return
+        indices = list(segments) if segments is not None else list(range(mixture.shape[0]))
+        sums = [float(x) for x in mixture.double().sum(dim=(1, 2))]
+        line = json.dumps({"step": step, "rank": self.rank, "segments": indices, "sums": sums}) + "\n"
+        # one write per line with O_APPEND: the ranks' lines do not interleave
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
 
 class MemoryProbe:

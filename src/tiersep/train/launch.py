@@ -1,0 +1,168 @@
+"""Starting a data-parallel tier on this node: `tiersep train` runs itself again under torchrun.
+
+The launching process holds the run folder's lock for the whole job (the ranks know it by its pid,
+tiersep.train.distributed.launcher_holds_lock), hands the ranks the resolved config and preset as
+files (so --set overrides and sweep trials reach them unchanged), waits, and turns what the ranks
+noted (their pids and exit codes) into the job's exit code. A rank that left no exit code died: then
+failure.json says `rank_died` and names it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from tiersep.train import record
+from tiersep.train.distributed import LAUNCHER_ENV, RANK_STATE_ENV
+
+EXIT_RANK_DIED = 1
+# torchrun passes these on to the ranks (its default list has no SIGUSR1, SLURM's warning signal;
+# without it there, SIGUSR1 would kill torchrun itself)
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# how long the ranks may take to leave after torchrun itself has gone
+RANKS_EXIT_WAIT_S = 60.0
+
+
+def torchrun_command(ranks: int, child_args: list[str]) -> list[str]:
+    """What runs: torchrun on this node, one process per rank, each `tiersep train <child_args>`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "-m", "tiersep.cli", "train", *child_args]
+
+
+def child_arguments(cfg: dict, preset: dict, state: Path, data_dir: Path, out_dir: Path, resume: bool,
+                    estimate_path, attempt: int, outcome_path) -> list[str]:
+    """The ranks' `tiersep train` arguments: this process's resolved config and preset as files."""
+    config_file, preset_file = state / "config.yaml", state / f"{preset['name']}.yaml"
+    config_file.write_text(yaml.safe_dump({k: v for k, v in cfg.items() if not k.startswith("_")}, sort_keys=False))
+    preset_file.write_text(yaml.safe_dump(preset, sort_keys=False))
+    args = ["--config", str(config_file), "--preset", str(preset_file), "--data", str(data_dir),
+            "--out", str(out_dir), "--attempt", str(attempt)]
+    if resume:
+        args.append("--resume")
+    if estimate_path is not None:
+        args += ["--estimate", str(estimate_path)]
+    if outcome_path is not None:
+        args += ["--outcome", str(outcome_path)]
+    return args
+
+
+def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bool, estimate_path,
+              attempt: int, outcome_path) -> int:
+    """Run the tier's ranks under torchrun and wait for them; returns the job's exit code.
+    The caller holds the run folder's lock."""
+    ranks = preset["train"]["ranks"]
+    state = Path(tempfile.mkdtemp(prefix="tiersep-ranks-"))
+    try:
+        command = torchrun_command(ranks, child_arguments(cfg, preset, state, data_dir, out_dir, resume,
+                                                          estimate_path, attempt, outcome_path))
+        env = {**os.environ, RANK_STATE_ENV: str(state), LAUNCHER_ENV: str(os.getpid()),
+               "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
+        # the node's cores shared between its ranks (torchrun would give each one thread)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
+        print(f"tiersep train: {preset['name']}: {ranks} ranks: {' '.join(command[:7])} ...", file=sys.stderr)
+        with _passing_stop_signals(state):
+            proc = subprocess.Popen(command, env=env, preexec_fn=_stop_with_parent)
+            returncode = proc.wait()
+            _wait_for_ranks(state, ranks)
+        return _job_exit(state, ranks, returncode, preset, out_dir, attempt)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _stop_with_parent() -> None:
+    """In torchrun, before it starts: SIGTERM when this process dies (Linux), so a launcher killed
+    with SIGKILL does not leave ranks training into a folder nobody holds: torchrun passes the
+    SIGTERM on, and they stop at the next step with a checkpoint."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _passing_stop_signals:
+    """While the ranks run: SIGTERM and SIGUSR1 sent to this process alone are passed to the ranks
+    (torchrun starts them in their own session, so a signal to the job's process group reaches them
+    through torchrun, and a second copy only sets the same flag). SIGINT is left to torchrun, which
+    passes Ctrl-C on once: a second SIGINT would stop a rank without its checkpoint."""
+
+    def __init__(self, state: Path):
+        self.state, self.previous = state, {}
+
+    def _pass(self, signum, _frame):
+        for pid in _rank_pids(self.state).values():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self):
+        self.previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._pass),
+                         signal.SIGUSR1: signal.signal(signal.SIGUSR1, self._pass),
+                         signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rank_pids(state: Path) -> dict[int, int]:
+    pids = {}
+    for path in state.glob("rank*.pid"):
+        pid = _read(path)
+        if isinstance(pid, int):
+            pids[int(path.stem[4:])] = pid
+    return pids
+
+
+def _wait_for_ranks(state: Path, ranks: int) -> None:
+    """torchrun can leave before its ranks (a second signal stops it while they checkpoint): wait
+    until every rank that started has ended, for at most RANKS_EXIT_WAIT_S."""
+    deadline = time.monotonic() + RANKS_EXIT_WAIT_S
+    for rank, pid in _rank_pids(state).items():
+        while time.monotonic() < deadline and not (state / f"rank{rank}.exit").exists():
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+
+
+def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: Path, attempt: int) -> int:
+    """Rank 0's exit code, unless a rank died: then failure.json kind rank_died naming it."""
+    exits = {r: _read(state / f"rank{r}.exit") for r in range(ranks)}
+    main = exits.get(0)
+    if returncode == 0 and all(exits.values()):
+        return 0
+    died = [r for r, noted in exits.items() if noted is None]
+    if main is not None and not main.get("peer_failure"):
+        return int(main["code"])
+    failed = died or [r for r, noted in exits.items() if noted and noted["code"] not in (0,) and not noted.get("peer_failure")]
+    who = ", ".join(map(str, failed)) if failed else "unknown"
+    message = (f"rank {who} of {ranks} died" + (" (no exit code: killed, e.g. SIGKILL or the OOM killer)" if died else "")
+               + "; the other ranks stopped")
+    step = (main or {}).get("step")
+    record.write_failure(out_dir, "rank_died", message, preset=preset["name"], rank=failed[0] if failed else None,
+                         ranks_failed=failed, ranks=ranks, step=step, attempt=attempt, torchrun_exit_code=returncode,
+                         attempted_allocation_bytes=None, estimate_peak_bytes=None)
+    print(f"tiersep train: {message}; wrote {out_dir / 'failure.json'} (exit {EXIT_RANK_DIED}); "
+          "rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+    return EXIT_RANK_DIED

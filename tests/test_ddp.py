@@ -1,0 +1,224 @@
+"""Data-parallel tiers (issue 20): `tiersep train` with train.ranks > 1 runs itself under the real
+torchrun (gloo, CPU processes). Two ranks x micro-batch 1 must train what one process with
+micro-batch 2 trains: the same segments every step, the same weights up to float rounding."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_support import REPO, make_workspace, metrics_rows
+
+CPU_TINY = str(REPO / "config" / "presets" / "cpu_tiny.yaml")
+# cpu_tiny, short: no validation or checkpoint before the end, the last weights exported
+SHORT = ["--set", "train.validate_every=1000", "--set", "train.checkpoint_every=1000",
+         "--set", "train.validate_segments=1", "--set", "train.export=last", "--set", "train.warmup_steps=2"]
+# Measured over 20 steps (2 ranks x 1 vs 1 x 2, 2026-11-25): largest difference 2.5e-5 (rms 1.6e-6)
+# on weights of order 0.1-1. One process on half the data (micro-batch 1) instead: 0.068 (rms 1e-2).
+RTOL, ATOL = 1e-4, 1e-4
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return make_workspace(tmp_path_factory.mktemp("ddp_ws"))
+
+
+def train(ws, out: Path, *sets: str, env: dict | None = None, wait: bool = True):
+    """`tiersep train --preset cpu_tiny` as a real process; the CompletedProcess (or the Popen)."""
+    cmd = [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]),
+           "--preset", CPU_TINY, "--data", str(ws["data"]), "--out", str(out), *SHORT, *sets]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if not wait:
+        log = open(str(out) + ".log", "w")
+        return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, text=True, capture_output=True, timeout=300)
+
+
+def weights(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def assert_close(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=key)
+        worst = max(worst, float((a[key] - b[key]).abs().max()))
+    return worst
+
+
+def trace(path: Path) -> dict:
+    """TIERSEP_TRACE_SEGMENTS lines -> {step: [(segment, mixture sum), ...] in global order}."""
+    steps: dict[int, list] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).extend(zip(row["segments"], row["sums"]))
+    return {step: sorted(items) for step, items in steps.items()}
+
+
+def test_two_ranks_train_what_one_process_with_twice_the_micro_batch_trains(ws, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    started = time.time()
+    single = train(ws, one, "--set", "train.steps=20", "--set", "train.batch_size=2",
+                   env={"TIERSEP_TRACE_SEGMENTS": str(tmp_path / "one.jsonl")})
+    assert single.returncode == 0, single.stderr[-3000:]
+    ranks = train(ws, two, "--set", "train.steps=20", "--set", "train.ranks=2",
+                  env={"TIERSEP_TRACE_SEGMENTS": str(tmp_path / "two.jsonl")})
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert time.time() - started < 120
+
+    # the same segments (index and content) at every step, each rank its own half
+    seen_one, seen_two = trace(tmp_path / "one.jsonl"), trace(tmp_path / "two.jsonl")
+    assert sorted(seen_two) == list(range(20)) and seen_one.keys() == seen_two.keys()
+    for step in seen_one:
+        assert [i for i, _ in seen_two[step]] == [0, 1]
+        assert seen_two[step] == seen_one[step], step   # the same segment, the same samples
+    per_rank = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    assert {(row["rank"], tuple(row["segments"])) for row in per_rank} == {(0, (0,)), (1, (1,))}
+
+    assert_close(weights(one / "model.pt"), weights(two / "model.pt"))
+    # the step's loss is the mean over ranks: the same numbers as the single process logs
+    losses_one = [float(r["loss"]) for r in metrics_rows(one)]
+    losses_two = [float(r["loss"]) for r in metrics_rows(two)]
+    assert losses_two == pytest.approx(losses_one, rel=1e-3)
+
+    run = json.loads((two / "run.json").read_text())
+    assert (run["ranks"], run["batch_size"], run["effective_batch"]) == (2, 1, 2)
+    assert [r["rank"] for r in run["per_rank"]] == [0, 1]
+    assert len({r["pid"] for r in run["per_rank"]}) == 2
+    assert all(r["peak_rss_bytes"] > 100 * 2**20 and r["device"].startswith("cpu") for r in run["per_rank"])
+    # rank 0 alone wrote the run folder: one metrics row per step
+    assert [r["step"] for r in metrics_rows(two)] == [str(s) for s in range(1, 21)]
+
+
+def test_half_the_data_is_not_within_the_tolerance(ws, tmp_path):
+    """The tolerance can fail: one process with micro-batch 1 (half of each step's segments) ends
+    far outside it from the two-rank run."""
+    half, two = tmp_path / "half", tmp_path / "two"
+    assert train(ws, half, "--set", "train.steps=6").returncode == 0
+    assert train(ws, two, "--set", "train.steps=6", "--set", "train.ranks=2").returncode == 0
+    with pytest.raises(AssertionError):
+        assert_close(weights(half / "model.pt"), weights(two / "model.pt"))
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["--set", "train.ranks=3", "--set", "train.nodes=2"], "train.ranks 3 is not a multiple of train.nodes 2"),
+    (["--set", "train.ranks=4", "--set", "train.nodes=2"], "train.nodes 2: start one torchrun per node"),
+])
+def test_a_layout_this_process_cannot_run_is_one_line_and_exit_2(ws, tmp_path, sets, says):
+    done = train(ws, tmp_path / "out", *sets)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_run_on_the_same_folder_is_refused_while_the_ranks_train(ws, tmp_path):
+    out = tmp_path / "out"
+    first = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2", wait=False)
+    try:
+        deadline = time.time() + 90
+        while len(metrics_rows(out)) < 2:
+            assert first.poll() is None and time.time() < deadline, Path(str(out) + ".log").read_text()[-3000:]
+            time.sleep(0.1)
+        second = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2")
+        assert second.returncode == 5, second.stderr[-2000:]
+        assert "in use by" in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)   # the job's process group, as Snakemake and SLURM stop it
+        assert first.wait(timeout=60) == 75
+
+
+def test_resume_with_another_world_size_continues_the_same_run(ws, tmp_path):
+    """2 ranks x 1 -> 1 process x 2 -> 2 ranks x 1 (6 + 6 + 6 steps, each leg training longer from
+    the last one's checkpoint) ends where an uninterrupted 2-rank run of 18 steps ends. A constant
+    schedule, so that training longer follows the same lr (a cosine one jumps, docs/training.md)."""
+    constant = ["--set", "train.schedule=constant"]
+    straight, legs = tmp_path / "straight", tmp_path / "legs"
+    assert train(ws, straight, *constant, "--set", "train.steps=18", "--set", "train.ranks=2").returncode == 0
+    for steps, layout in ((6, ["train.ranks=2"]), (12, ["train.batch_size=2"]), (18, ["train.ranks=2"])):
+        sets = [arg for pair in (("--set", s) for s in layout) for arg in pair]
+        done = train(ws, legs, *constant, "--set", f"train.steps={steps}", *sets, "--resume")
+        assert done.returncode == 0, done.stderr[-3000:]
+        if steps > 6:
+            assert f"continues from step {steps - 6}" in done.stderr
+    run = json.loads((legs / "run.json").read_text())
+    assert (run["steps"], run["resumed_from"], run["ranks"], run["effective_batch"]) == (18, 12, 2, 2)
+    assert [e["step"] for e in run["extended_from"]] == [6, 12]
+    assert_close(weights(straight / "model.pt"), weights(legs / "model.pt"))
+    assert [r["step"] for r in metrics_rows(legs)] == [str(s) for s in range(1, 19)]
+
+
+def test_another_world_size_with_another_effective_batch_starts_a_new_run(ws, tmp_path):
+    out = tmp_path / "out"
+    assert train(ws, out, "--set", "train.steps=3", "--set", "train.ranks=2").returncode == 0
+    done = train(ws, out, "--set", "train.steps=6", "--resume")   # 1 rank x 1: effective batch 1, not 2
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "effective batch of 2" in done.stderr and "starting a new run" in done.stderr
+    assert json.loads((out / "run.json").read_text())["resumed_from"] is None
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int, timeout: float = 60.0) -> int:
+    """The pid of rank `rank` among the launcher's descendants (torchrun's RANK variable)."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} under pid {launcher.pid}")
+
+
+def wait_for_rows(proc: subprocess.Popen, out: Path, rows: int, timeout: float = 90.0) -> None:
+    deadline = time.time() + timeout
+    while len(metrics_rows(out)) < rows:
+        assert proc.poll() is None and time.time() < deadline, Path(str(out) + ".log").read_text()[-3000:]
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("attempt", range(2))
+def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_one_checkpoint(ws, tmp_path, attempt):
+    import random
+
+    from tiersep.train.checkpoint import load_checkpoint
+
+    out = tmp_path / "out"
+    stop_after = random.Random().randint(2, 12)
+    proc = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2", "--set", "train.checkpoint_every=5",
+                 wait=False)
+    wait_for_rows(proc, out, stop_after)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75, Path(str(out) + ".log").read_text()[-3000:]
+    log = Path(str(out) + ".log").read_text()
+    assert log.count("wrote") == 1 and "SIGTERM at step" in log   # rank 0 alone, once
+    state = load_checkpoint(out / "checkpoints" / "last.pt")   # weights-only load
+    rows = metrics_rows(out)
+    assert state["step"] == int(rows[-1]["step"]) >= stop_after
+    assert not (out / "model.pt").exists() and not (out / "failure.json").exists()
+
+
+def test_a_rank_killed_stops_the_others_with_rank_died_naming_it(ws, tmp_path):
+    out = tmp_path / "out"
+    proc = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2", wait=False)
+    wait_for_rows(proc, out, 3)
+    os.kill(rank_pid(proc, 1), signal.SIGKILL)
+    killed = time.time()
+    code = proc.wait(timeout=60)
+    assert time.time() - killed < 60
+    assert code == 1, Path(str(out) + ".log").read_text()[-3000:]
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["kind"] == "rank_died" and failure["rank"] == 1, failure
+    assert "rank 1 of 2 died" in failure["message"]
