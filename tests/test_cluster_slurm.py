@@ -60,7 +60,8 @@ def test_profile_configures_squeue_status_requeue_and_leaves_resources_to_the_ru
         assert not {"gpu", "mem_mb", "runtime"} & set(settings or {}), rule
     rules = {name: (REPO / "workflow" / "rules" / f"{name}.smk").read_text() for name in GPU_RULES}
     for name, text in rules.items():
-        assert "gpu=1," in text, name
+        # a train job holds one GPU per data-parallel rank on its node (train.ranks / train.nodes)
+        assert ("gpu=train_ranks_per_node," if name == "train" else "gpu=1,") in text, name
     assert "mem_mb=host_mem_mb" in rules["train"] and "retries: 1" in rules["train"]
 
 

@@ -150,6 +150,18 @@ def trained_model(wildcards):
     return f"{RESULTS}/train/{wildcards.preset}/model.pt"
 
 
+def train_ranks_per_node(wildcards):
+    """GPUs a train job holds on its machine (on a CPU, its rank processes): the tier's
+    data-parallel ranks per node, train.ranks / train.nodes (docs/training.md)."""
+    train = preset_of(wildcards.preset)["train"]
+    return max(1, train["ranks"] // train["nodes"])
+
+
+def train_nodes(wildcards):
+    """Machines a train job asks SLURM for (train.nodes, sbatch --nodes)."""
+    return preset_of(wildcards.preset)["train"]["nodes"]
+
+
 def host_mem_mb(wildcards, input, attempt):
     """Host memory of a train job from its estimate: 1.25 x what the gate books + 2 GiB, at least
     8 GB, times the attempt. On CPU the booking is the process's RSS; on a GPU host RAM >= the

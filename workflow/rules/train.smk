@@ -10,6 +10,11 @@
 #   attempt halves the micro-batch and doubles accumulation (same effective batch);
 # - only outcome.json is declared: Snakemake deletes a failed job's outputs, and metrics.csv,
 #   memory.csv and checkpoints/ must survive a failed attempt for the resume.
+#
+# A data-parallel tier (train.ranks > 1) holds ranks/nodes GPUs (gpu=; Snakemake caps it at the
+# --resources gpu=N given) and, on SLURM, train.nodes nodes (sbatch --nodes): `tiersep train`
+# starts torchrun there, one process per rank. Several nodes need one torchrun per node, which the
+# rule does not start yet: such a tier stops with one line (docs/training.md#data-parallel-tiers).
 checkpoint train:
     input:
         data=data_for,
@@ -25,7 +30,8 @@ checkpoint train:
     retries: 1
     threads: 2
     resources:
-        gpu=1,
+        gpu=train_ranks_per_node,
+        nodes=train_nodes,
         mem_mb=host_mem_mb,
         runtime=24 * 60,
         vram_mb=lambda wildcards, input: int(

@@ -155,10 +155,13 @@ def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: P
     died = [r for r, noted in exits.items() if noted is None]
     if main is not None and not main.get("peer_failure"):
         return int(main["code"])
-    failed = died or [r for r, noted in exits.items() if noted and noted["code"] not in (0,) and not noted.get("peer_failure")]
+    failed = died or [r for r, noted in exits.items() if noted and noted["code"] != 0 and not noted.get("peer_failure")]
     who = ", ".join(map(str, failed)) if failed else "unknown"
-    message = (f"rank {who} of {ranks} died" + (" (no exit code: killed, e.g. SIGKILL or the OOM killer)" if died else "")
-               + "; the other ranks stopped")
+    if died:
+        how = "died (no exit code: killed, e.g. SIGKILL or the OOM killer)"
+    else:   # an error (its traceback is in the log above) or an out-of-memory on a rank other than 0
+        how = "failed (exit code " + ", ".join(str(exits[r]["code"]) for r in failed) + ")" if failed else "left"
+    message = f"rank {who} of {ranks} {how}; the other ranks stopped"
     step = (main or {}).get("step")
     record.write_failure(out_dir, "rank_died", message, preset=preset["name"], rank=failed[0] if failed else None,
                          ranks_failed=failed, ranks=ranks, step=step, attempt=attempt, torchrun_exit_code=returncode,
