@@ -14,6 +14,9 @@ memory the allocator holds cached beyond the live tensors).
 `compiled`: whether the figure is for the step of the torch.compile'd model (memory/compiled.py),
 as the trainer runs it when the preset compiles on `device`; `compiled_note` says why, or why the
 compiled trace fell back to the eager figure (an upper bound: compiling only lowers the peak).
+A data-parallel tier (train.ranks > 1): every figure is one rank's, what each rank's GPU must hold
+(memory/ranks.py: its micro-batch's step, DDP's buckets, the communicator); `data_parallel` says
+what DDP adds and gives the figures of all ranks together.
 `uncertainty` (cuda trace): that of the estimate's class (attention kernel, checkpointing, allocator
 mode, eager or compiled step) from the GPU evidence (memory/accuracy.py), named in
 `uncertainty_class` and `uncertainty_evidence`; the gate books peak_bytes x (1 + uncertainty).
@@ -24,7 +27,7 @@ import time
 
 import torch
 
-from . import accuracy, analytic, calibration, cpu_process
+from . import accuracy, analytic, calibration, cpu_process, ranks
 from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY
 from .cuda_model import modelled_backend
 from .trace import trace_step
@@ -57,6 +60,8 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         record.update(compiled=False, compiled_note=f"the {method} method models the eager step"
                       + (" (the preset compiles: an upper bound)" if compiled else ""))
     t = preset["train"]
+    if data_parallel(preset) and "data_parallel" not in record:
+        record = ranks.untraced(record, preset, device)
     record = {
         "preset": preset["name"],
         "method": method,
@@ -65,6 +70,8 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "precision": t["precision"],
         "batch_size": t["batch_size"],
         "grad_accum": t["grad_accum"],
+        "ranks": t.get("ranks", 1),
+        "nodes": t.get("nodes", 1),
         "segment_samples": preset["audio"]["segment_samples"],
         "checkpointing": preset["model"]["checkpointing"],
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
@@ -78,19 +85,34 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
 
 
+def data_parallel(preset: dict) -> bool:
+    """Whether `preset` trains data-parallel: its estimate is then per rank (memory/ranks.py)."""
+    return preset["train"].get("ranks", 1) > 1
+
+
 def with_booking(record: dict, preset: dict) -> dict:
-    """Add what the CPU gate books for the whole train process around the live bytes (cpu only)."""
+    """Add what the CPU gate books for the whole train process around the live bytes (cpu only; a
+    data-parallel rank's process also holds gloo's buffers)."""
     if record["device"] == "cpu":
         record["cpu_process"] = cpu_process.booking(record, preset)
+        if record.get("data_parallel"):
+            record["cpu_process"] = ranks.book_host_communicator(record["cpu_process"])
     return record
+
+
+def _ranks_per_node(record: dict) -> int:
+    """Ranks that share one machine's RAM (cpu) in a data-parallel record, else 1."""
+    return int((record.get("data_parallel") or {}).get("ranks_per_node") or 1)
 
 
 def required_bytes(record: dict) -> int:
     """What the fit gate books for an estimate: on CUDA the predicted device use (peak_bytes) times
     (1 + the uncertainty of its class), so that a class known to err is never trusted as exact; on
-    CPU the predicted peak RSS of the whole train process (memory.cpu_process)."""
+    CPU the predicted peak RSS of the whole train process (memory.cpu_process). Data-parallel: per
+    rank on CUDA (each rank has its GPU); on CPU the ranks of a node share its RAM, so a rank's
+    process times the ranks per node."""
     if record["device"] == "cpu" and record.get("cpu_process"):
-        return int(record["cpu_process"]["rss_bytes"])
+        return int(record["cpu_process"]["rss_bytes"]) * _ranks_per_node(record)
     if record["device"] == "cuda":
         return int(round(record["peak_bytes"] * (1 + float(record.get("uncertainty") or 0.0))))
     return int(record["peak_bytes"])
@@ -100,14 +122,15 @@ def finish(record: dict, budget_bytes: int | None, safety_margin: float, seconds
     """Add the budget verdict and the time taken to an estimate record (the one place `fits` is set)."""
     margin = int(safety_margin * budget_bytes) if budget_bytes is not None else None
     if record["device"] == "cpu" and record.get("cpu_process"):   # the malloc mode this budget allows
-        record["cpu_process"] = cpu_process.choose_malloc(record["cpu_process"], budget_bytes, safety_margin)
+        share = budget_bytes // _ranks_per_node(record) if budget_bytes is not None else None
+        record["cpu_process"] = cpu_process.choose_malloc(record["cpu_process"], share, safety_margin)
     record["gate_required_bytes"] = required_bytes(record)
     record["budget_bytes"] = int(budget_bytes) if budget_bytes is not None else None
     record["safety_margin"] = safety_margin
     record["margin_bytes"] = margin
     record["fits"] = None if budget_bytes is None else bool(record["gate_required_bytes"] + margin <= budget_bytes)
     record["seconds"] = round(seconds, 3)
-    return record
+    return ranks.with_global(record)
 
 
 def _device_peak(reserved_peak: int, live: int, cal: dict) -> tuple[int, dict]:
@@ -119,6 +142,10 @@ def _device_peak(reserved_peak: int, live: int, cal: dict) -> tuple[int, dict]:
 
 
 def _trace(preset: dict, device: str, cal: dict | None, compiled: bool):
+    if data_parallel(preset):     # one rank's step, DDP's buckets and communicator (memory/ranks.py)
+        return ranks.trace_rank_step(preset, device, **({
+            "workspace_bytes": cal["cublas_workspace_bytes"],
+            "expandable_segments": planned_allocator(preset)["expandable_segments"]} if device == "cuda" else {}))
     if device == "cuda":
         return trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"],
                           expandable_segments=planned_allocator(preset)["expandable_segments"], compiled=compiled)
@@ -145,6 +172,9 @@ def _why_eager(preset: dict, device: str, compiled: bool) -> str | None:
     """Why the estimate traces the eager step (the end of compiled_note), or None to trace the compiled one."""
     if not compiled:
         return ": the eager step"
+    if data_parallel(preset):
+        return (": the eager step of a rank, an upper bound: a compiled DistributedDataParallel step "
+                "(DDPOptimizer splits the graph at bucket boundaries) is not modelled")
     if preset["model"]["checkpointing"]:
         return (", checkpointed: the eager step, although the compiled run may need more: the compiled "
                 "trace is not trusted with checkpointing (it predicted 0.56x a real compiled CPU step, "
@@ -169,6 +199,9 @@ def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = Fa
     live = sum(breakdown.values())
     if device == "cuda":
         peak, overhead_detail = _device_peak(r.reserved_peak, live, cal)
+        if r.data_parallel:   # NCCL's buffers: cudaMalloc'ed outside the caching allocator
+            peak += r.data_parallel["communicator_bytes"]
+            overhead_detail["communicator"] = r.data_parallel["communicator_bytes"]
         uncertainty = None    # the class's (estimate(), memory/accuracy.py)
     else:
         peak = r.allocated_peak
@@ -198,6 +231,7 @@ def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = Fa
         "compiled": r.compiled,
         "compiled_note": compiled_note,
         "torch": torch.__version__,
+        **({"data_parallel": r.data_parallel} if r.data_parallel else {}),
     }
 
 

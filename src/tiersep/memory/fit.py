@@ -74,9 +74,12 @@ def describe_changes(old: dict, new: dict) -> list[str]:
     if o != n:
         changes.append(f"model.attention_backend: {o} -> {n} (fused kernel, O(L) memory, same maths)")
     ob, nb = old["train"]["batch_size"], new["train"]["batch_size"]
-    if ob != nb:
+    if ob != nb:   # ranks are kept: the micro-batch is per rank, the effective batch x ranks
+        ranks = old["train"].get("ranks", 1)
+        per_rank = " per rank" if ranks > 1 else ""
         changes.append(f"train.batch_size: {ob} -> {nb} and train.grad_accum: {old['train']['grad_accum']} -> "
-                       f"{new['train']['grad_accum']} (effective batch {ob * old['train']['grad_accum']} kept)")
+                       f"{new['train']['grad_accum']}{per_rank} (effective batch "
+                       f"{ob * old['train']['grad_accum'] * ranks} kept" + (f", {ranks} ranks)" if ranks > 1 else ")"))
     if old["model"]["checkpointing"] != new["model"]["checkpointing"]:
         changes.append("model.checkpointing: false -> true (per-block recomputation, ~1/3 more compute)")
     if old["train"]["precision"] != new["train"]["precision"]:

@@ -29,6 +29,8 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
     """Return the estimate used; raise DoesNotFit when it does not fit the budget. `compiled`:
     estimate the compiled (True) or eager (False) step; None: as the preset will run."""
     device_type = "cuda" if device_type == "cuda" else "cpu"
+    if estimate is not None and estimate.get("ranks", 1) != preset["train"].get("ranks", 1):
+        estimate = None    # made for another number of ranks: a rank's figures differ (memory/ranks.py)
     if estimate is None:
         estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec,
                                  compiled=compiled)
@@ -45,6 +47,11 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
         what = (f"estimated peak {estimate['peak_bytes'] / GIB:.2f} GiB ({estimate['method']}, {device_type}, "
                 + (f"+{estimate['uncertainty']:.1%} uncertainty of its class: booked {needed / GIB:.2f} GiB, "
                    if needed != estimate["peak_bytes"] else ""))
+    dp = estimate.get("data_parallel")
+    if dp:   # a rank's figures: each rank on its own GPU (cuda), the ranks of a node share its RAM (cpu)
+        what = (f"{estimate['ranks']} data-parallel ranks, each on its own GPU: " if device_type == "cuda" else
+                f"{estimate['ranks']} data-parallel ranks, {dp['ranks_per_node']} on this machine together: ") \
+            + what.replace("estimated peak", "estimated peak per rank" if device_type == "cuda" else "estimated peak")
     what += (f"{estimate.get('attention_backend')} attention) + {safety_margin:.0%} margin "
              f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
     suggestion = fitted = None

@@ -63,6 +63,7 @@ class TraceResult:
     expandable_segments: bool = False
     notes: list = field(default_factory=list)
     compiled: bool = False          # the step of the torch.compile'd model
+    data_parallel: dict | None = None   # a rank's DDP buckets and communicator (memory/ranks.py)
 
 
 @dataclass
@@ -133,9 +134,13 @@ def _move_order(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
-                workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, compiled: bool = False) -> RecordedStep:
+                workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, compiled: bool = False,
+                sync_frees: dict | None = None) -> RecordedStep:
     """Record the setup and one training step of `preset` as they would run on `device` (`compiled`:
-    of the torch.compile'd model, memory/compiled.py)."""
+    of the torch.compile'd model, memory/compiled.py). `sync_frees` ({event index: [keys]}, filled
+    while the first micro-batch is traced): frees that happen in the step's last micro-batch only,
+    before the traced micro-batch's event of that index (memory/ranks.py: DistributedDataParallel
+    moves each gradient into its bucket in the micro-batch that synchronises)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
     bf16 = torch.bfloat16 if preset["train"]["precision"] == "bf16" else None
@@ -180,16 +185,27 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
 
     timeline = tracker.timeline
     persistent = {k for k, a in timeline.allocations.items() if a.op.startswith("<cublas workspace")}
-    if len(work.inputs) > traced:
-        update = next(i for i in range(starts[-1], len(timeline.phases)) if timeline.phases[i] == UPDATE)
-        extra = len(work.inputs) - traced
-        if traced == 1:
-            timeline = _accumulating_copies(timeline, (starts[0], ends[0], update), extra, gradients, persistent)
-        else:
-            timeline = _more_micro_batches(timeline, starts[-2:], update, extra)
+    timeline = _all_micro_batches(timeline, starts, ends, len(work.inputs), traced, gradients, persistent,
+                                  sync_frees)
     return RecordedStep(timeline, step_start, sum(p.numel() for p in params), weights - {None},
                         optimizer_keys - {None}, host - {None}, inputs - {None}, gradients - {None},
                         persistent, traced, emulation)
+
+
+def _all_micro_batches(timeline: Timeline, starts: list, ends: list, micro_batches: int, traced: int,
+                       gradients: set, persistent: set, sync_frees: dict | None) -> Timeline:
+    """The traced micro-batches' timeline with the untraced ones derived from them, and the frees of
+    the last micro-batch (`sync_frees`, record_step) made."""
+    if micro_batches > traced:
+        update = next(i for i in range(starts[-1], len(timeline.phases)) if timeline.phases[i] == UPDATE)
+        extra = micro_batches - traced
+        if traced == 1:
+            return _accumulating_copies(timeline, (starts[0], ends[0], update), extra, gradients, persistent,
+                                        {i - starts[0]: keys for i, keys in (sync_frees or {}).items()})
+        if sync_frees:
+            raise RuntimeError("trace: frees of the last micro-batch need the first one traced alone")
+        return _more_micro_batches(timeline, starts[-2:], update, extra)
+    return _with_frees(timeline, sync_frees) if sync_frees else timeline
 
 
 @contextlib.contextmanager
@@ -205,15 +221,29 @@ def _fresh_fake_mode():
         yield
 
 
+def _with_frees(tl: Timeline, frees: dict) -> Timeline:
+    """`tl` with the frees of `frees` ({event index: [keys]}) inserted before the events of those indices."""
+    out = Timeline(dict(tl.allocations))
+    for i in range(len(tl.events) + 1):
+        for key in frees.get(i, ()):
+            out.events.append((key, -1))
+            out.phases.append(tl.phases[i - 1])
+        if i < len(tl.events):
+            out.events.append(tl.events[i])
+            out.phases.append(tl.phases[i])
+    return out
+
+
 def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, gradients: set,
-                         persistent: set) -> Timeline:
+                         persistent: set, last_frees: dict | None = None) -> Timeline:
     """Insert `extra` micro-batches made from the first one before the update. marks: the first
     micro-batch's first event, its forward's last event, and the update's first event. A copy has
     the first one's allocations under new keys, except that a new gradient is freed right after it
     is made (AccumulateGrad adds it into .grad in place, where the first micro-batch's became .grad)
     and the cuBLAS workspaces exist already. What a micro-batch leaves alive besides gradients (the
     running loss; train_step drops its estimates before the update's first op) is freed after the
-    next forward."""
+    next forward. `last_frees` ({offset from the first micro-batch's first event: [keys]}): frees the
+    last copy makes before its event of that offset."""
     start, forward_end, update = marks
     window, phases = tl.events[start:update], tl.phases[start:update]
     born = {k for k, s in window if s > 0}
@@ -226,9 +256,13 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
     out = Timeline(dict(tl.allocations), list(tl.events[:update]), list(tl.phases[:update]))
     next_key = max(tl.allocations) + 1
     previous = {k: k for k in leftovers}       # the leftovers of the micro-batch before
-    for _ in range(extra):
+    for copy in range(extra):
         fresh = {}
+        frees = (last_frees or {}) if copy == extra - 1 else {}
         for i, ((key, sign), phase) in enumerate(zip(window, phases)):
+            for k in frees.get(i, ()):
+                out.events.append((k, -1))
+                out.phases.append(phase)
             if i == forward_end - start:
                 for k in leftovers:
                     out.events.append((previous[k], -1))
@@ -245,6 +279,9 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
             if sign > 0 and key in gradients:
                 out.events.append((fresh[key], -1))
                 out.phases.append(phase)
+        for k in frees.get(len(window), ()):
+            out.events.append((k, -1))
+            out.phases.append(phases[-1])
         previous = {k: fresh[k] for k in leftovers}
     for (key, sign), phase in zip(tl.events[update:], tl.phases[update:]):
         out.events.append((previous.get(key, key), sign))
@@ -336,6 +373,13 @@ def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
     steps replayed through the allocator model (cuda; the CPU trace counts one); `compiled`: the
     torch.compile'd model's steps (memory/compiled.py; raises when they cannot be traced)."""
     rec = record_step(preset, device, model_and_loss, workspace_bytes, compiled)
+    return summarize(rec, device, expandable_segments, steps, compiled)
+
+
+def summarize(rec: RecordedStep, device: str, expandable_segments: bool = False, steps: int = STEPS,
+              compiled: bool = False) -> TraceResult:
+    """The TraceResult of a recorded step: its steps replayed (and, for cuda, through the allocator
+    model), the peak, what is live then and the largest allocation."""
     steps = steps if device == "cuda" else 1
     timeline, starts = repeat_steps(rec, steps)
     exclude = rec.host

@@ -55,11 +55,23 @@ def _uncertainty(tier: Tier) -> str:
     return f"±{float(value) * 100:.1f} % ({cls.get('attention')}{ckpt}, {cls.get('allocator')}, {cls.get('step')}{none})"
 
 
+def _ranks(tier: Tier) -> str:
+    """A data-parallel tier's ranks, e.g. "4 (2 nodes), per rank": its other figures are one rank's
+    (memory/ranks.py); empty for one rank, so the column shows only when a tier has several."""
+    estimate = tier.estimate or {}
+    ranks = estimate.get("ranks") or 1
+    if ranks <= 1:
+        return MISSING
+    nodes = estimate.get("nodes") or 1
+    return f"{ranks}" + (f" ({nodes} nodes)" if nodes > 1 else "") + ", per rank"
+
+
 HYPHENATED = {"activations": "acti\u00advations", "optimizer": "opti\u00admizer", "gradients": "gradi\u00adents"}
 ESTIMATE_COLUMNS = [
     Column("Estimate", "Method (device)", _method, numeric=False),
     Column("Estimate", "Atten\u00adtion modelled", _estimate_field("attention_backend"), numeric=False),
     Column("Estimate", "Device model", _device_model, numeric=False, optional=True),
+    Column("Estimate", "Ranks", _ranks, numeric=False, optional=True),
     *[Column("Breakdown", HYPHENATED.get(key, key),
              lambda t, key=key: format_bytes(((t.estimate or {}).get("breakdown") or {}).get(key)))
       for key in BREAKDOWN_KEYS],
