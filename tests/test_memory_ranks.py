@@ -216,3 +216,15 @@ def test_the_estimates_table_shows_a_tiers_ranks_only_where_one_has_several():
     table = estimates_table([Tier("cpu_tiny", "tier", estimate=single), Tier("wide", "tier", estimate=ranked)])
     column = [c.header for c in table.columns].index("Ranks")
     assert [r.cells[column].text for r in table.rows] == [MISSING, "4 (2 nodes), per rank"]
+
+
+def test_tiersep_estimate_writes_a_per_rank_record(tmp_path):
+    out = tmp_path / "cpu_tiny.json"
+    done = subprocess.run([sys.executable, "-m", "tiersep.cli", "estimate", "--config", str(REPO / "config" / "config.yaml"),
+                           "--preset", "cpu_tiny", "--set", "train.ranks=2", "--device", "cpu", "--out", str(out)],
+                          cwd=REPO, text=True, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "per rank of 2 (trace, cpu" in done.stdout
+    record = validate_record("estimate", json.loads(out.read_text()), out)
+    assert (record["ranks"], record["data_parallel"]["backend"]) == (2, "gloo")
+    assert record["data_parallel"]["global"]["effective_batch"] == 2

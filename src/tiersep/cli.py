@@ -193,7 +193,8 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
     write_json(out, validate_record("estimate", record, out))
     gib = record["peak_bytes"] / 2**30
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
-    print(f"{preset['name']}: peak {gib:.2f} GiB ({record['method']}, {record['device']}, "
+    per_rank = f" per rank of {record['ranks']}" if record.get("ranks", 1) > 1 else ""
+    print(f"{preset['name']}: peak {gib:.2f} GiB{per_rank} ({record['method']}, {record['device']}, "
           f"{record['attention_backend']} attention) -> {verdict}; wrote {out}")
 
 
