@@ -228,3 +228,21 @@ def test_tiersep_estimate_writes_a_per_rank_record(tmp_path):
     record = validate_record("estimate", json.loads(out.read_text()), out)
     assert (record["ranks"], record["data_parallel"]["backend"]) == (2, "gloo")
     assert record["data_parallel"]["global"]["effective_batch"] == 2
+
+
+def test_analytic_books_buckets_beside_the_gradients_and_says_so():
+    preset = C.load_preset("small")
+    one = estimate(preset, "analytic", "cuda")
+    four = estimate(C.set_field(preset, "train.ranks", 4), "analytic", "cuda")
+    validate_record("estimate", json.loads(json.dumps(four)), "small.json")
+    assert four["peak_bytes"] == one["peak_bytes"] + 4 * one["parameters"] + R.NCCL_COMMUNICATOR_BYTES
+    assert four["data_parallel"]["buckets"] is None and "upper bound" in " ".join(four["notes"])
+
+
+def test_fit_does_not_reuse_an_estimate_made_for_another_number_of_ranks():
+    from tiersep.memory.fit import FitSearch
+
+    preset = C.set_field(C.load_preset("cpu_tiny"), "train.ranks", 2)
+    record = estimate(preset, "trace", "cuda")
+    assert FitSearch(preset, "cuda").reusable(record)
+    assert not FitSearch(C.set_field(preset, "train.ranks", 4), "cuda").reusable(record)

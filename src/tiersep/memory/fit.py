@@ -141,6 +141,8 @@ class FitSearch:
                 "parameters": sum(self.numels)}
         if any(record.get(k) != v for k, v in same.items()) or "uncertainty" not in record:
             return False
+        if record.get("ranks", 1) != t.get("ranks", 1):    # a rank's figures (memory/ranks.py)
+            return False
         if self.device != "cuda":
             return True
         used = record.get("calibration") or {}
