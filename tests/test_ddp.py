@@ -189,8 +189,10 @@ def wait_for_rows(proc: subprocess.Popen, out: Path, rows: int, timeout: float =
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("attempt", range(2))
-def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_one_checkpoint(ws, tmp_path, attempt):
+@pytest.mark.parametrize("target", ["group", "group", "launcher"])
+def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_one_checkpoint(ws, tmp_path, target):
+    """SIGTERM at a random step, to the job's process group (as Snakemake and SLURM send it) or to
+    the launching tiersep process alone (which passes it on)."""
     import random
 
     from tiersep.train.checkpoint import load_checkpoint
@@ -200,7 +202,10 @@ def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_one_checkpoint(ws,
     proc = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2", "--set", "train.checkpoint_every=5",
                  wait=False)
     wait_for_rows(proc, out, stop_after)
-    os.killpg(proc.pid, signal.SIGTERM)
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 75, Path(str(out) + ".log").read_text()[-3000:]
     log = Path(str(out) + ".log").read_text()
     assert log.count("wrote") == 1 and "SIGTERM at step" in log   # rank 0 alone, once
@@ -222,3 +227,59 @@ def test_a_rank_killed_stops_the_others_with_rank_died_naming_it(ws, tmp_path):
     failure = json.loads((out / "failure.json").read_text())
     assert failure["kind"] == "rank_died" and failure["rank"] == 1, failure
     assert "rank 1 of 2 died" in failure["message"]
+
+
+def test_a_killed_launcher_leaves_no_rank_training(ws, tmp_path):
+    """SIGKILL of the tiersep process that holds the lock: torchrun gets SIGTERM (parent-death
+    signal) and the ranks stop at a step boundary with a checkpoint, instead of training on into a
+    folder nobody holds."""
+    import psutil
+
+    from tiersep.train.checkpoint import load_checkpoint
+
+    out = tmp_path / "out"
+    proc = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2", wait=False)
+    wait_for_rows(proc, out, 3)
+    ranks = [psutil.Process(rank_pid(proc, r)) for r in (0, 1)]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    gone, alive = psutil.wait_procs(ranks, timeout=60)
+    assert not alive, [p.pid for p in alive]
+    state = load_checkpoint(out / "checkpoints" / "last.pt")
+    assert state["step"] == int(metrics_rows(out)[-1]["step"]) >= 3
+
+
+def test_an_out_of_memory_rank_is_the_tiers_oom_and_the_retry_downshifts_every_rank(ws, tmp_path):
+    out = tmp_path / "out"
+    sets = ["--set", "train.steps=6", "--set", "train.ranks=2", "--set", "train.batch_size=2",
+            "--set", "train.checkpoint_every=1"]
+    inject = {"TIERSEP_INJECT_OOM": "step=3,max_batch=1,rank=1"}   # rank 1 alone, micro-batch 2 at step 3
+    first = train(ws, out, *sets, "--resume", env=inject)
+    assert first.returncode == 4, first.stderr[-3000:]
+    failure = json.loads((out / "failure.json").read_text())
+    assert (failure["kind"], failure["rank"], failure["batch_size"], failure["step"]) == ("oom", 1, 2, 3), failure
+    retry = train(ws, out, *sets, "--resume", "--attempt", "2", env=inject)
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert (run["batch_size"], run["grad_accum"], run["ranks"], run["effective_batch"]) == (1, 2, 2, 4)
+    assert run["downshifted_from"] == {"batch_size": 2, "grad_accum": 1} and run["resumed_from"] == 3
+    assert not (out / "failure.json").exists()
+
+
+def test_torchrun_started_by_hand_trains_with_rank_0_holding_the_folder(ws, tmp_path):
+    """Without the launching tiersep process (torchrun by hand, or srun on every node), rank 0
+    claims and locks the run folder itself; a torchrun world that is not train.ranks is refused."""
+    out = tmp_path / "out"
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
+            "--data", str(ws["data"]), "--out", str(out), *SHORT, "--set", "train.steps=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*base, "--set", "train.ranks=2"], cwd=REPO, env=env, text=True, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert run["steps"] == 4 and [r["rank"] for r in run["per_rank"]] == [0, 1]
+    assert (out / ".tiersep").is_file()   # claimed by rank 0
+    wrong = subprocess.run([*base, "--set", "train.ranks=4"], cwd=REPO, env=env, text=True, capture_output=True,
+                           timeout=300)
+    assert wrong.returncode != 0 and "torchrun started 2 processes" in wrong.stderr

@@ -23,8 +23,9 @@ import yaml
 
 from tiersep.train import record
 from tiersep.train.distributed import LAUNCHER_ENV, RANK_STATE_ENV
+from tiersep.train.oom import attempted_allocation
 
-EXIT_RANK_DIED = 1
+EXIT_RANK_DIED, EXIT_OOM = 1, 4
 # torchrun passes these on to the ranks (its default list has no SIGUSR1, SLURM's warning signal;
 # without it there, SIGUSR1 would kill torchrun itself)
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -156,6 +157,9 @@ def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: P
     if main is not None and not main.get("peer_failure"):
         return int(main["code"])
     failed = died or [r for r, noted in exits.items() if noted and noted["code"] != 0 and not noted.get("peer_failure")]
+    out_of_memory = [r for r in failed if not died and exits[r].get("oom")]
+    if out_of_memory:
+        return _rank_out_of_memory(out_of_memory[0], exits[out_of_memory[0]]["oom"], ranks, preset, out_dir, attempt)
     who = ", ".join(map(str, failed)) if failed else "unknown"
     if died:
         how = "died (no exit code: killed, e.g. SIGKILL or the OOM killer)"
@@ -169,3 +173,20 @@ def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: P
     print(f"tiersep train: {message}; wrote {out_dir / 'failure.json'} (exit {EXIT_RANK_DIED}); "
           "rerun with --resume to continue from the last checkpoint", file=sys.stderr)
     return EXIT_RANK_DIED
+
+
+def _rank_out_of_memory(rank: int, oom: dict, ranks: int, preset: dict, out_dir: Path, attempt: int) -> int:
+    """A rank other than 0 ran out of memory: the tier's OOM (failure.json kind oom, exit 4), so
+    that the workflow's retry downshifts every rank's micro-batch (tiersep.train.oom)."""
+    first = (oom["message"].splitlines() or ["out of memory"])[0]
+    record.write_failure(out_dir, "oom", first, full_message=oom["message"], preset=preset["name"], rank=rank,
+                         ranks=ranks, step=oom["step"], attempt=attempt, batch_size=oom["batch_size"],
+                         grad_accum=oom["grad_accum"], precision=preset["train"]["precision"],
+                         attempted_allocation_bytes=attempted_allocation(oom["message"]), estimate_peak_bytes=None,
+                         memory_at_failure=oom["memory_at_failure"],
+                         next_attempt=("halves the micro-batch and doubles accumulation" if oom["batch_size"] > 1
+                                       else "nothing left to halve (micro-batch 1)"))
+    print(f"tiersep train: rank {rank} of {ranks} ran out of memory at step {oom['step']} (micro-batch "
+          f"{oom['batch_size']} x {oom['grad_accum']}): {first}; wrote {out_dir / 'failure.json'} (exit {EXIT_OOM})",
+          file=sys.stderr)
+    return EXIT_OOM

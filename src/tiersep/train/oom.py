@@ -23,19 +23,22 @@ def is_oom(err: BaseException) -> bool:
 
 
 def parse_injection(text: str | None) -> dict | None:
-    """TIERSEP_INJECT_OOM="step=3,max_batch=2[,preset=NAME]" -> {"step": 3, "max_batch": 2,
-    "preset": NAME or None} (test hook: raise at step 3 while the micro-batch is above 2)."""
+    """TIERSEP_INJECT_OOM="step=3,max_batch=2[,preset=NAME][,rank=R]" -> {"step": 3, "max_batch": 2,
+    "preset": NAME or None, "rank": R or None} (test hook: raise at step 3 while the micro-batch is
+    above 2; with rank, only in that data-parallel rank)."""
     if not text:
         return None
     spec = dict(part.split("=", 1) for part in text.split(",") if part)
     return {"step": int(spec.get("step", 0)), "max_batch": int(spec.get("max_batch", 0)),
-            "preset": spec.get("preset")}
+            "preset": spec.get("preset"), "rank": int(spec["rank"]) if spec.get("rank") else None}
 
 
-def maybe_inject_oom(injection: dict | None, step: int, batch_size: int, preset_name: str) -> None:
+def maybe_inject_oom(injection: dict | None, step: int, batch_size: int, preset_name: str, rank: int = 0) -> None:
     """Raise the error a GPU raises when it runs out (a GPU OOM cannot happen on a CPU machine;
     this lets tests and users rehearse the failure path and the Snakemake retry)."""
     if not injection or injection["preset"] not in (None, preset_name):
+        return
+    if injection.get("rank") is not None and injection["rank"] != rank:
         return
     if step == injection["step"] and batch_size > injection["max_batch"]:
         raise torch.OutOfMemoryError(

@@ -115,7 +115,7 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
              gated_on_main: bool = False, main_estimate: dict | None = None) -> RunPlan:
     """Everything decided before the run allocates anything (see module docstring).
     `gated_on_main`: a data-parallel rank other than 0 plans with rank 0's gate verdict (its
-    `main_estimate`) instead of gating again."""
+    `main_estimate`) instead of gating again, and with the micro-batch of rank 0's plan (`preset`)."""
     from tiersep.memory import DoesNotFit, gate
 
     preset = copy.deepcopy(preset)
@@ -124,8 +124,10 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     resume_warnings: list[str] = []
     state, not_resumed = resume_state(out_dir, preset, resume, resume_warnings)
 
-    batch, accum, downshifted_from = plan_micro_batch(
-        preset, attempt, previous_failure, state["run"] if state else None)
+    # a rank other than 0 trains rank 0's micro-batch (its verdict's preset), whatever the checkpoint says
+    batch, accum, downshifted_from = ((preset["train"]["batch_size"], preset["train"]["grad_accum"], None)
+                                      if gated_on_main else
+                                      plan_micro_batch(preset, attempt, previous_failure, state["run"] if state else None))
     downshifted = (batch, accum) != (preset["train"]["batch_size"], preset["train"]["grad_accum"])
     preset["train"]["batch_size"], preset["train"]["grad_accum"] = batch, accum
     if downshifted_from:

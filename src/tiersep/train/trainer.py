@@ -377,7 +377,7 @@ class Training:
                     data_step, mixture, stems = next(batches)
                 assert data_step == self.step, f"loader at step {data_step}, expected {self.step}"
                 self.trace.write(data_step, self.segments, mixture)
-                maybe_inject_oom(injection, data_step, micro, self.preset["name"])
+                maybe_inject_oom(injection, data_step, micro, self.preset["name"], self.ranks.rank if self.ranks else 0)
                 row = self._step(data_step, mixture, stems)
                 elapsed = time.time() - tick
                 if self.steps_this_process == 1 and self.compile_info["compiled"]:
@@ -490,6 +490,11 @@ class Training:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if not self.main:
+            # an OOM of any rank is the tier's: the launcher writes failure.json kind oom from this
+            # note, and the retry downshifts every rank's micro-batch
+            message = str(err).strip()
+            self.notes["oom"] = {"message": message, "step": self.step, "batch_size": self.t["batch_size"],
+                                 "grad_accum": self.t["grad_accum"], "memory_at_failure": memory}
             print(f"tiersep train: rank {self.ranks.rank}: out of memory at step {self.step}: "
                   f"{distributed.one_line(err)}", file=sys.stderr)
             return EXIT_OOM
