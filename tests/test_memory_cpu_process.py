@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,11 @@ def test_process_allowance_is_measured_once_per_boot_and_interpreter(monkeypatch
     assert second == {**fake, "cache_file": str(cache)}
     cache.write_text("{not json")                      # a damaged file is measured again
     assert cpu_process.process_allowance.__wrapped__() == fake and len(calls) == 2
+    stale = time.time() - cpu_process.ALLOWANCE_MAX_AGE_S - 1
+    os.utime(cache, (stale, stale))                    # the page cache has moved on: measured again
+    assert cpu_process.process_allowance.__wrapped__() == fake and len(calls) == 3
+    assert cpu_process.process_allowance.__wrapped__() == {**fake, "cache_file": str(cache)}
+    assert len(calls) == 3
     fallback = {**fake, "probe_peak_bytes": None, "source": "fallback (x)"}
     cache.unlink()
     monkeypatch.setattr(cpu_process, "measure_process_allowance", lambda: dict(fallback))

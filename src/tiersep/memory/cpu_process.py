@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 MIB = 2**20
@@ -229,15 +230,23 @@ def allowance_cache_file() -> Path | None:
     return root / "tiersep" / f"process-allowance-{key}.json"
 
 
+# How long a kept measurement is trusted. The page cache moves the probe's RSS within one boot:
+# the same venv's probe peaked at 955 MiB at 04:51 and 786 MiB at 06:45 on 2026-11-25, and a
+# fresh install's (new files in large folios) at 1091 MiB. An old figure can book too little or
+# too much, so it is measured again when older than this; ~6 s, once per run's first minutes.
+ALLOWANCE_MAX_AGE_S = 15 * 60
+
+
 @functools.cache
 def process_allowance() -> dict:
-    """measure_process_allowance(), measured once per boot, interpreter and torch: every estimate
-    and train process of a run reads the first one's figure (allowance_cache_file) instead of
-    spending ~6 s on its own probe. A fallback is never kept."""
+    """measure_process_allowance(), measured once per boot, interpreter and torch and kept for
+    ALLOWANCE_MAX_AGE_S: every estimate and train process of a run reads the first one's figure
+    (allowance_cache_file) instead of spending ~6 s on its own probe. A fallback is never kept."""
     cache = allowance_cache_file()
     if cache is not None and cache.is_file():
         try:
-            return {**json.loads(cache.read_text()), "cache_file": str(cache)}
+            if time.time() - cache.stat().st_mtime < ALLOWANCE_MAX_AGE_S:
+                return {**json.loads(cache.read_text()), "cache_file": str(cache)}
         except (OSError, ValueError):
             pass                                         # unreadable: measure again
     allowance = measure_process_allowance()
