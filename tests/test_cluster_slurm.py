@@ -121,3 +121,28 @@ def _scontrol_job(slurm_id: int, env: dict) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", "-o", str(slurm_id)], text=True, check=True,
                          capture_output=True, env={**os.environ, **env}, timeout=30).stdout
     return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+@pytest.mark.slow
+def test_a_two_rank_cpu_tier_trains_in_one_sbatch_job(slurm_cluster, tmp_path):
+    """A data-parallel CPU tier (train.ranks 2, train.device cpu) through profiles/slurm: one sbatch
+    job on one node, in which `tiersep train` runs its two ranks under torchrun (gloo)."""
+    workdir = copy_workflow(tmp_path / "wf")
+    preset = yaml.safe_load((REPO / "tests" / "configs" / "presets" / "test_tiny.yaml").read_text())
+    preset["name"] = "test_tiny_ddp"
+    preset["train"].update({"ranks": 2, "batch_size": 1, "device": "cpu"})
+    (workdir / "tests" / "configs" / "presets" / "test_tiny_ddp.yaml").write_text(yaml.safe_dump(preset))
+    config = yaml.safe_load(TINY_CONFIG.read_text())
+    config.update({"tiers": ["test_tiny_ddp"], "estimate_tiers": []})
+    (workdir / "ddp.yaml").write_text(yaml.safe_dump(config))
+    target = "results/train/test_tiny_ddp/outcome.json"
+    proc = run_snakemake(workdir, "--profile", str(workdir / "profiles" / "slurm"), "--configfile", "ddp.yaml",
+                         "--slurm-init-seconds-before-status-checks", "2", target, timeout=600, env=slurm_cluster)
+    assert json.loads((workdir / target).read_text())["status"] == "trained"
+    run = json.loads((workdir / "results" / "train" / "test_tiny_ddp" / "run.json").read_text())
+    assert (run["ranks"], run["effective_batch"], run["slurm_job_id"]) == (2, 2, run["per_rank"][1]["slurm_job_id"])
+    assert [r["rank"] for r in run["per_rank"]] == [0, 1] and run["slurm_job_id"] is not None
+    train_jobs = re.findall(r"submitted with SLURM jobid (\d+) \(log: .*?/slurm_logs/rule_train/", proc.stdout)
+    assert len(train_jobs) == 1
+    record = _scontrol_job(int(train_jobs[0]), slurm_cluster)
+    assert record["JobState"] == "COMPLETED" and record["NumNodes"] == "1", record

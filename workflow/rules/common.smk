@@ -151,9 +151,12 @@ def trained_model(wildcards):
 
 
 def train_ranks_per_node(wildcards):
-    """GPUs a train job holds on its machine (on a CPU, its rank processes): the tier's
-    data-parallel ranks per node, train.ranks / train.nodes (docs/training.md)."""
+    """GPUs a train job holds on its machine: the tier's data-parallel ranks per node,
+    train.ranks / train.nodes (docs/training.md). A train.device: cpu tier uses none and
+    holds one, as every CPU train job does (one at a time with gpu=1)."""
     train = preset_of(wildcards.preset)["train"]
+    if train["device"] == "cpu":
+        return 1
     return max(1, train["ranks"] // train["nodes"])
 
 
