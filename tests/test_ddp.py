@@ -189,10 +189,12 @@ def wait_for_rows(proc: subprocess.Popen, out: Path, rows: int, timeout: float =
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("target", ["group", "group", "launcher"])
-def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_one_checkpoint(ws, tmp_path, target):
+@pytest.mark.parametrize("target, signum, code, says", [
+    ("group", signal.SIGTERM, 75, "SIGTERM at step"), ("group", signal.SIGTERM, 75, "SIGTERM at step"),
+    ("launcher", signal.SIGTERM, 75, "SIGTERM at step"), ("group", signal.SIGINT, 130, "interrupted at step")])
+def test_a_stop_signal_stops_every_rank_at_one_step_with_one_checkpoint(ws, tmp_path, target, signum, code, says):
     """SIGTERM at a random step, to the job's process group (as Snakemake and SLURM send it) or to
-    the launching tiersep process alone (which passes it on)."""
+    the launching tiersep process alone (which passes it on); Ctrl-C (SIGINT to the group) too."""
     import random
 
     from tiersep.train.checkpoint import load_checkpoint
@@ -203,12 +205,12 @@ def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_one_checkpoint(ws,
                  wait=False)
     wait_for_rows(proc, out, stop_after)
     if target == "group":
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signum)
     else:
-        proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 75, Path(str(out) + ".log").read_text()[-3000:]
+        proc.send_signal(signum)
+    assert proc.wait(timeout=60) == code, Path(str(out) + ".log").read_text()[-3000:]
     log = Path(str(out) + ".log").read_text()
-    assert log.count("wrote") == 1 and "SIGTERM at step" in log   # rank 0 alone, once
+    assert log.count("wrote") == 1 and says in log   # rank 0 alone, once
     state = load_checkpoint(out / "checkpoints" / "last.pt")   # weights-only load
     rows = metrics_rows(out)
     assert state["step"] == int(rows[-1]["step"]) >= stop_after
