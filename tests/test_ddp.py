@@ -191,10 +191,12 @@ def wait_for_rows(proc: subprocess.Popen, out: Path, rows: int, timeout: float =
 
 @pytest.mark.parametrize("target, signum, code, says", [
     ("group", signal.SIGTERM, 75, "SIGTERM at step"), ("group", signal.SIGTERM, 75, "SIGTERM at step"),
-    ("launcher", signal.SIGTERM, 75, "SIGTERM at step"), ("group", signal.SIGINT, 130, "interrupted at step")])
+    ("launcher", signal.SIGTERM, 75, "SIGTERM at step"), ("group", signal.SIGUSR1, 75, "SIGUSR1 at step"),
+    ("group", signal.SIGINT, 130, "interrupted at step")])
 def test_a_stop_signal_stops_every_rank_at_one_step_with_one_checkpoint(ws, tmp_path, target, signum, code, says):
     """SIGTERM at a random step, to the job's process group (as Snakemake and SLURM send it) or to
-    the launching tiersep process alone (which passes it on); Ctrl-C (SIGINT to the group) too."""
+    the launching tiersep process alone (which passes it on); SLURM's warning signal SIGUSR1 (torchrun
+    passes it on only because the launcher asks it to) and Ctrl-C (SIGINT to the group) too."""
     import random
 
     from tiersep.train.checkpoint import load_checkpoint
