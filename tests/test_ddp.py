@@ -99,6 +99,23 @@ def test_two_ranks_train_what_one_process_with_twice_the_micro_batch_trains(ws, 
     assert [r["step"] for r in metrics_rows(two)] == [str(s) for s in range(1, 21)]
 
 
+def test_accumulation_across_ranks_trains_what_one_process_trains(ws, tmp_path):
+    """2 ranks x micro-batch 1 x 2 accumulated (no_sync on the first) against 1 process x
+    micro-batch 2 x 2 accumulated: the same four segments a step, in the same micro-batches."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--set", "train.steps=8", "--set", "train.grad_accum=2"]
+    single = train(ws, one, *common, "--set", "train.batch_size=2", env={"TIERSEP_TRACE_SEGMENTS": str(tmp_path / "one.jsonl")})
+    assert single.returncode == 0, single.stderr[-3000:]
+    ranks = train(ws, two, *common, "--set", "train.ranks=2", env={"TIERSEP_TRACE_SEGMENTS": str(tmp_path / "two.jsonl")})
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    # micro-batch j of the ranks together is segments [2j, 2j+1]: rank 0 trains 0 and 2, rank 1 1 and 3
+    assert {(row["rank"], tuple(row["segments"])) for row in rows} == {(0, (0, 2)), (1, (1, 3))}
+    assert trace(tmp_path / "two.jsonl") == trace(tmp_path / "one.jsonl")
+    assert_close(weights(one / "model.pt"), weights(two / "model.pt"))
+    assert json.loads((two / "run.json").read_text())["effective_batch"] == 4
+
+
 def test_half_the_data_is_not_within_the_tolerance(ws, tmp_path):
     """The tolerance can fail: one process with micro-batch 1 (half of each step's segments) ends
     far outside it from the two-rank run."""
