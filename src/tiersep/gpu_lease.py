@@ -48,6 +48,8 @@ VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"   # set by torchrun in every rank it starts
 DEFAULT_TIMEOUT_SECONDS = 3600.0
 POLL_SECONDS = 0.2
+HOLDER_GRACE_SECONDS = 1.0      # how long a waiter gives a new holder to write its pid before naming it unknown
+UNKNOWN_HOLDER = "another process"
 EXIT_NO_GPU = 6
 
 _current: "GpuLease | None" = None   # this process's lease: CUDA_VISIBLE_DEVICES is per process too
@@ -208,8 +210,10 @@ def lease_gpus(job: str, count: int = 1, timeout: float | None = None) -> GpuLea
         if waited >= limit:
             raise NoFreeGpu(f"no free GPU within {limit:g} s: {_holders(folder, gpus)} (leases in {folder}; "
                             f"{TIMEOUT_ENV} sets the wait)")
-        if not announced:
-            print(f"tiersep {job}: waiting for a free GPU: {_holders(folder, gpus)}; up to {limit:g} s "
+        holders = "" if announced else _holders(folder, gpus)
+        # a holder writes its pid just after it takes the lock: a moment's grace lets the line name it
+        if holders and (UNKNOWN_HOLDER not in holders or waited >= HOLDER_GRACE_SECONDS):
+            print(f"tiersep {job}: waiting for a free GPU: {holders}; up to {limit:g} s "
                   f"({TIMEOUT_ENV})", file=sys.stderr, flush=True)
             announced = True
         time.sleep(min(POLL_SECONDS, max(0.0, limit - waited)))
@@ -277,7 +281,7 @@ def _holders(folder: Path, gpus: list[Gpu]) -> str:
         else:
             info = read_holder(fd)
             os.close(fd)
-        holder = "another process"
+        holder = UNKNOWN_HOLDER
         if info is not None:
             holder = f"pid {info['pid']} on {info['host']}" + (f" ({info['job']})" if info.get("job") else "")
         parts.append(f"{gpu.label()} held by {holder}")
