@@ -125,7 +125,8 @@ def test_numbers_are_formatted_from_the_results(rendered):
     row = cells(row_html(page, "tiers", name))
     booked = run["estimate"]["cpu_process"]["run_rss_bytes"]  # the gate's booking before exit, as the RSS
     expected = [format_bytes(booked), format_bytes(run["peak_rss_bytes"]),
-                format_int(run["steps"]), format_duration(run["wall_seconds"]), format_rate(run["steps_per_s"]),
+                format_int(run["steps"]), format_duration(run["wall_seconds"]),
+                format_rate(run["steps_per_s"] * run["batch_size"] * run["grad_accum"]),   # samples/s
                 format_db(scores["overall"]["si_sdr"]), format_db(scores["overall"]["sdr"]),
                 format_db(scores["overall"]["si_sdr_improvement"]), format_int(est["parameters"]),
                 "fp32", "fits"]

@@ -169,6 +169,23 @@ class Tier:
             return self.steps / self.wall_seconds
         return None
 
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks that ran (run.json), else the preset's; 1 for a single process."""
+        for value in ((self.run or {}).get("ranks"), self.setting("train", "ranks")):
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                return value
+        return 1
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Training segments a second: steps/s x the effective batch (micro-batch x accumulation x
+        ranks), the figure that compares tiers of other batches and ranks."""
+        micro, accum = self.batch
+        if self.steps_per_s is None or not micro:
+            return None
+        return self.steps_per_s * micro * (accum or 1) * self.ranks
+
     def setting(self, section: str, key: str):
         """A preset field, else what run.json or the estimate recorded for it."""
         if self.preset is not None:

@@ -142,6 +142,13 @@ def measured_peak(tier: Tier) -> tuple[float | None, str]:
     """(the tier's headline measurement, what it is): CUDA device use (older records: reserved),
     CPU peak RSS; from run.json, or from memory.csv while the run has none yet."""
     cuda = tier.measured_device_type == "cuda"
+    per_rank = (tier.run or {}).get("per_rank")
+    if per_rank and isinstance(per_rank, list):
+        # a data-parallel tier: its estimate is per rank, so the largest rank's peak is the measurement
+        key, what = ("peak_device_bytes", "device use") if cuda else ("peak_rss_bytes", "peak RSS")
+        peaks = [_bytes(rank, key) for rank in per_rank if isinstance(rank, dict)]
+        if peaks and None not in peaks:
+            return max(peaks), f"{what}, largest of {len(peaks)} ranks"
     if tier.run is not None:
         if cuda:
             device = _bytes(tier.run, "peak_device_bytes")

@@ -88,13 +88,15 @@ TIER_COLUMNS = [
     Column("Configuration", "Check\u00adpointing", lambda t: yes_no(t.setting("model", "checkpointing")),
            numeric=False),
     Column("Configuration", "Adapted to budget", _adapted, numeric=False, optional=True),  # on_oversize: adapt
+    # data-parallel tiers: the column is left out when every tier is one process
+    Column("Configuration", "Ranks", lambda t: str(t.ranks) if t.ranks > 1 else MISSING, optional=True),
     Column("Memory", "Estimated peak", _estimated),
     Column("Memory", "Measured peak", _measured),
     Column("Memory", "Estimate error", _headline_error),
     Column("Memory", "Fits budget", fits_cell, numeric=False),
     Column("Training", "Steps", lambda t: format_int(t.steps)),
     Column("Training", "Wall time", lambda t: format_duration(t.wall_seconds)),
-    Column("Training", "Steps/s", lambda t: format_rate(t.steps_per_s)),
+    Column("Training", "Samples/s", lambda t: format_rate(t.samples_per_s)),  # steps/s x effective batch
     Column(QUALITY, "SI-SDR", lambda t: overall_db(t, "si_sdr")),
     Column(QUALITY, "SI-SDR impr.", lambda t: overall_db(t, "si_sdr_improvement")),
     Column(QUALITY, "SDR", lambda t: overall_db(t, "sdr")),
