@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,11 @@ DEFAULT_TIMEOUT_S = 600
 # and the pid of the launching process, which holds the run folder's lock for them.
 RANK_STATE_ENV = "TIERSEP_RANK_STATE"
 LAUNCHER_ENV = "TIERSEP_LAUNCHER_PID"
+# Set only when the launcher started the ranks on several nodes through srun: its host. There the
+# ranks are not its descendants (srun starts them through slurmd), so they cannot find it among
+# their ancestors; on its host they check that its pid lives, elsewhere they trust srun (which the
+# launcher started, and which ends with it).
+LAUNCHER_HOST_ENV = "TIERSEP_LAUNCHER_HOST"
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,7 @@ def topology_problem(preset: dict) -> str | None:
             return (f"preset {name}: train.ranks is {ranks}, but torchrun started {world} processes "
                     "(--nnodes x --nproc-per-node must equal train.ranks)")
         return None
-    if nodes > 1:
-        return (f"preset {name}: train.nodes {nodes}: start one torchrun per node (under SLURM: srun "
-                "torchrun ..., docs/training.md#data-parallel-tiers); this process was not started by "
-                "torchrun (no RANK/WORLD_SIZE in its environment)")
-    return None
+    return None   # several nodes: the launcher checks the SLURM allocation (launch.allocation_problem)
 
 
 def timeout_s() -> int:
@@ -92,6 +94,7 @@ def start(preset: dict) -> Ranks:
         # the ranks of a node share its cores; torchrun sets OMP_NUM_THREADS=1 unless told otherwise
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks.local_world))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s()))
+    note(ranks, "host", socket.gethostname())   # before the pid: the launcher signals only its own host's
     note(ranks, "pid", os.getpid())
     return ranks
 
@@ -158,7 +161,12 @@ def launcher_holds_lock() -> bool:
         return False
     import psutil
 
-    return int(pid) in {p.pid for p in psutil.Process().parents()}
+    host = os.environ.get(LAUNCHER_HOST_ENV)
+    if host is None:   # one node: torchrun, and so this rank, descends from the launcher
+        return int(pid) in {p.pid for p in psutil.Process().parents()}
+    if host == socket.gethostname():   # several nodes, the launcher's: started through srun, not a descendant
+        return psutil.pid_exists(int(pid))
+    return True   # another node: the launcher's srun started this rank, and srun ends with the launcher
 
 
 def note(ranks: Ranks, what: str, value) -> None:

@@ -1,17 +1,25 @@
-"""Starting a data-parallel tier on this node: `tiersep train` runs itself again under torchrun.
+"""Starting a data-parallel tier: `tiersep train` runs itself again under torchrun (one node), or
+under one torchrun per node started by `srun` inside a SLURM allocation (train.nodes > 1).
 
 The launching process holds the run folder's lock for the whole job (the ranks know it by its pid,
 tiersep.train.distributed.launcher_holds_lock), hands the ranks the resolved config and preset as
 files (so --set overrides and sweep trials reach them unchanged), waits, and turns what the ranks
 noted (their pids and exit codes) into the job's exit code. A rank that left no exit code died: then
 failure.json says `rank_died` and names it.
+
+On several nodes the rank notes and the resolved files must be seen by every node: they go to a
+tiersep temporary folder inside the run folder (`.ranks.<8 chars>.tmp`: not a user's file for
+tiersep.outputs, never moved aside, removed at the end, or by the next writer if this one is killed).
+The rendezvous (c10d) is on this host, the allocation's first node, where the batch step runs.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +30,7 @@ import psutil
 import yaml
 
 from tiersep.train import record
-from tiersep.train.distributed import LAUNCHER_ENV, RANK_STATE_ENV
+from tiersep.train.distributed import LAUNCHER_ENV, LAUNCHER_HOST_ENV, RANK_STATE_ENV
 from tiersep.train.oom import attempted_allocation
 
 EXIT_RANK_DIED, EXIT_OOM = 1, 4
@@ -37,6 +45,58 @@ def torchrun_command(ranks: int, child_args: list[str]) -> list[str]:
     """What runs: torchrun on this node, one process per rank, each `tiersep train <child_args>`."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
             "-m", "tiersep.cli", "train", *child_args]
+
+
+def srun_torchrun_command(nodes: int, ranks: int, host: str, port: int, job_id: str,
+                          child_args: list[str]) -> list[str]:
+    """What runs on several nodes: srun starts one torchrun per node (--kill-on-bad-exit: one node
+    failing ends the others), each with ranks / nodes processes, meeting at host:port (c10d)."""
+    return ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            "--nproc-per-node", str(ranks // nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
+            "--rdzv-id", str(job_id), "-m", "tiersep.cli", "train", *child_args]
+
+
+def allocation_nodes(env) -> int | None:
+    """The node count of this SLURM job: SLURM_JOB_NUM_NODES, else `scontrol show job` (the
+    workflow's jobstep executor passes only SLURM_JOB_ID on to the job), else None."""
+    for key in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        if str(env.get(key, "")).isdigit():
+            return int(env[key])
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", str(env["SLURM_JOB_ID"])], text=True,
+                               capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"\bNumNodes=(\d+)", shown)
+    return int(found.group(1)) if found else None
+
+
+def allocation_problem(preset: dict, env=None) -> str | None:
+    """One line when a tier with train.nodes > 1 cannot start its nodes here (exit 2), else None."""
+    env = os.environ if env is None else env
+    nodes, name = preset["train"]["nodes"], preset["name"]
+    if nodes <= 1:
+        return None
+    need = (f"preset {name}: train.nodes {nodes}: start one torchrun per node inside a SLURM job of {nodes} "
+            f"nodes (sbatch --nodes {nodes}; the workflow's train rule asks for them through profiles/slurm; "
+            "docs/training.md#data-parallel-tiers)")
+    if not env.get("SLURM_JOB_ID"):
+        return f"{need}: this process is in none (no SLURM_JOB_ID)"
+    if shutil.which("srun", path=env.get("PATH")) is None:
+        return f"{need}: srun is not on PATH"
+    have = allocation_nodes(env)
+    if have is None or have < nodes:
+        count = have if have is not None else "an unknown number of"
+        return f"{need}: SLURM job {env['SLURM_JOB_ID']} has {count} node(s)"
+    return None
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the rendezvous binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def child_arguments(cfg: dict, preset: dict, state: Path, data_dir: Path, out_dir: Path, resume: bool,
@@ -60,21 +120,34 @@ def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bo
               attempt: int, outcome_path) -> int:
     """Run the tier's ranks under torchrun and wait for them; returns the job's exit code.
     The caller holds the run folder's lock."""
-    ranks = preset["train"]["ranks"]
-    state = Path(tempfile.mkdtemp(prefix="tiersep-ranks-"))
+    ranks, nodes = preset["train"]["ranks"], preset["train"]["nodes"]
+    if nodes > 1:   # seen by every node: a tiersep temporary inside the run folder
+        state = Path(tempfile.mkdtemp(prefix=".ranks.", suffix=".tmp", dir=out_dir)).absolute()
+    else:
+        state = Path(tempfile.mkdtemp(prefix="tiersep-ranks-"))
     try:
-        command = torchrun_command(ranks, child_arguments(cfg, preset, state, data_dir, out_dir, resume,
-                                                          estimate_path, attempt, outcome_path))
+        child_args = child_arguments(cfg, preset, state, data_dir, out_dir, resume, estimate_path, attempt,
+                                     outcome_path)
         env = {**os.environ, RANK_STATE_ENV: str(state), LAUNCHER_ENV: str(os.getpid()),
                "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
         # the node's cores shared between its ranks (torchrun would give each one thread)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
-        print(f"tiersep train: {preset['name']}: {ranks} ranks: {' '.join(command[:7])} ...", file=sys.stderr)
-        with _passing_stop_signals(state):
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (ranks // nodes))))
+        if nodes > 1:
+            env[LAUNCHER_HOST_ENV] = socket.gethostname()
+            command = srun_torchrun_command(nodes, ranks, socket.gethostname(), free_port(),
+                                            os.environ["SLURM_JOB_ID"], child_args)
+            shown = " ".join(command[:command.index("tiersep.cli") + 2])
+        else:
+            command = torchrun_command(ranks, child_args)
+            shown = " ".join(command[:7])
+        print(f"tiersep train: {preset['name']}: {ranks} ranks: {shown} ...", file=sys.stderr)
+        with _passing_stop_signals(state) as passing:
             proc = subprocess.Popen(command, env=env, preexec_fn=_stop_with_parent)
+            if nodes > 1:   # srun passes SIGTERM and SIGUSR1 on to every node's torchrun
+                passing.targets = lambda: [proc.pid]
             returncode = proc.wait()
             _wait_for_ranks(state, ranks)
-        return _job_exit(state, ranks, returncode, preset, out_dir, attempt)
+        return _job_exit(state, ranks, returncode, preset, out_dir, attempt, nodes)
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
@@ -98,9 +171,10 @@ class _passing_stop_signals:
 
     def __init__(self, state: Path):
         self.state, self.previous = state, {}
+        self.targets = lambda: _rank_pids(self.state).values()
 
     def _pass(self, signum, _frame):
-        for pid in _rank_pids(self.state).values():
+        for pid in self.targets():
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
@@ -125,10 +199,12 @@ def _read(path: Path):
 
 
 def _rank_pids(state: Path) -> dict[int, int]:
-    pids = {}
+    """The pids of the ranks on this host (a rank on another node notes its host first)."""
+    pids, here = {}, socket.gethostname()
     for path in state.glob("rank*.pid"):
         pid = _read(path)
-        if isinstance(pid, int):
+        host = _read(path.with_suffix(".host"))
+        if isinstance(pid, int) and host in (None, here):
             pids[int(path.stem[4:])] = pid
     return pids
 
@@ -147,7 +223,8 @@ def _wait_for_ranks(state: Path, ranks: int) -> None:
             time.sleep(0.1)
 
 
-def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: Path, attempt: int) -> int:
+def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: Path, attempt: int,
+              nodes: int = 1) -> int:
     """Rank 0's exit code, unless a rank died: then failure.json kind rank_died naming it."""
     exits = {r: _read(state / f"rank{r}.exit") for r in range(ranks)}
     main = exits.get(0)
@@ -162,7 +239,8 @@ def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: P
         return _rank_out_of_memory(out_of_memory[0], exits[out_of_memory[0]]["oom"], ranks, preset, out_dir, attempt)
     who = ", ".join(map(str, failed)) if failed else "unknown"
     if died:
-        how = "died (no exit code: killed, e.g. SIGKILL or the OOM killer)"
+        how = ("died (no exit code: killed, e.g. SIGKILL or the OOM killer" +
+               (", or its node was lost or ended by srun)" if nodes > 1 else ")"))
     else:   # an error (its traceback is in the log above) or an out-of-memory on a rank other than 0
         how = "failed (exit code " + ", ".join(str(exits[r]["code"]) for r in failed) + ")" if failed else "left"
     message = f"rank {who} of {ranks} {how}; the other ranks stopped"

@@ -74,6 +74,8 @@ def _train_data_parallel(cfg, preset, data_dir, out_dir, resume, estimate_path, 
     lock itself unless the launching tiersep process holds it. Every rank notes its exit code for
     the launcher, and whether it stopped because another rank was gone."""
     problem = distributed.topology_problem(preset)
+    if problem is None and not distributed.under_torchrun():
+        problem = launch.allocation_problem(preset)   # several nodes: a SLURM allocation of them
     if problem:
         raise distributed.TopologyError(problem)
     args = (cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path)
