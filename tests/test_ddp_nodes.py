@@ -32,7 +32,7 @@ import json, os, signal, subprocess, sys, time
 argv = sys.argv[1:]
 with open(os.environ["FAKE_SRUN_LOG"], "a") as log:
     log.write(json.dumps(argv) + "\\n")
-with_value = {{"--nodes", "--ntasks", "--ntasks-per-node"}}
+with_value = {{"--nodes", "--ntasks", "--ntasks-per-node", "--cpus-per-task"}}
 options, i = {{}}, 0
 while i < len(argv) and argv[i].startswith("-"):
     name, _, value = argv[i].partition("=")
@@ -91,8 +91,9 @@ def train(ws, out: Path, *sets: str, env: dict | None = None):
 
 def test_the_srun_command_starts_one_torchrun_per_node_meeting_on_this_host():
     child = ["--config", "C", "--preset", "P", "--out", "O"]
-    assert launch.srun_torchrun_command(2, 4, "gpu-node-01", 29512, "12345", child) == [
-        "srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+    assert launch.srun_torchrun_command(2, 4, "gpu-node-01", 29512, "12345", 16, child) == [
+        "srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--cpus-per-task", "16",
+        "--kill-on-bad-exit=1",
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-node-01:29512", "--rdzv-id", "12345",
         "-m", "tiersep.cli", "train", "--config", "C", "--preset", "P", "--out", "O"]
@@ -137,7 +138,8 @@ def test_two_nodes_under_a_faked_srun_train_with_one_rendezvous_and_a_shared_sta
     import socket
 
     assert argv[:argv.index("--rdzv-endpoint")] == [
-        "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1", sys.executable, "-m",
+        "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--cpus-per-task", str(len(os.sched_getaffinity(0))),
+        "--kill-on-bad-exit=1", sys.executable, "-m",
         "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
     assert host == socket.gethostname() and port.isdigit()
     assert argv[argv.index("--rdzv-id") + 1] == "4242"
@@ -210,3 +212,40 @@ def test_sigterm_to_the_launcher_goes_through_srun_and_stops_both_nodes_with_one
     assert log.count("wrote") == 1 and "SIGTERM at step" in log, log[-3000:]
     assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == int(metrics_rows(out)[-1]["step"]) >= 3
     assert not [p.name for p in out.iterdir() if p.name.startswith(".ranks")]
+
+
+class _Resources(dict):
+    __getattr__ = dict.__getitem__
+
+
+@pytest.mark.parametrize("resources, wanted, unwanted", [
+    # a GPU tier of 4 ranks on 2 nodes: what workflow/rules/common.smk gives it
+    ({"gpu": 0, "nodes": 2, "tasks": 2, "tasks_per_gpu": 0, "gres": "gpu:2", "mpi": 1},
+     ["--nodes=2", "--ntasks=2", "--gres=gpu:2"], ["--gpus", "--ntasks-per-gpu"]),
+    # a 2-rank GPU tier on one node: as before (--gpus=2, no task options)
+    ({"gpu": 2, "nodes": 1, "tasks": 1, "tasks_per_gpu": 0, "gres": "", "mpi": 0},
+     ["--nodes=1", "--gpus=2"], ["--gres", "--ntasks", "--ntasks-per-gpu"]),
+    # a CPU tier on 2 nodes
+    ({"gpu": 0, "nodes": 2, "tasks": 2, "tasks_per_gpu": 0, "gres": "", "mpi": 1},
+     ["--nodes=2", "--ntasks=2"], ["--gres", "--gpus"]),
+])
+def test_the_slurm_plugin_makes_the_train_rules_resources_sbatch_options(resources, wanted, unwanted):
+    """The train rule's resources through the installed snakemake-executor-plugin-slurm's own sbatch
+    builder: nodes, one task per node, GPUs per node as gres (gpu= is --gpus, the job's total)."""
+    submit = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    rule = (REPO / "workflow" / "rules" / "train.smk").read_text()
+    for line in ("nodes=train_nodes,", "tasks=train_nodes,", "tasks_per_gpu=0,", "gres=train_gres,",
+                 "mpi=train_multi_node,", "gpu=train_ranks_per_node,"):
+        assert line in rule
+    job = type("Job", (), {"resources": _Resources(resources, threads=2, runtime=60, mem_mb=8000), "threads": 2,
+                           "is_group": lambda self: False, "name": "train", "wildcards": {}})()
+    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "",
+              "workdir": None}
+    call = submit.get_submit_command(job, params) + set_gres_string(job)
+    options = call.split()
+    for option in wanted:
+        assert option in options, call
+    for option in unwanted:
+        assert not [o for o in options if o.split("=")[0] == option], call

@@ -153,8 +153,12 @@ def trained_model(wildcards):
 def train_ranks_per_node(wildcards):
     """GPUs a train job holds on its machine: the tier's data-parallel ranks per node,
     train.ranks / train.nodes (docs/training.md). A train.device: cpu tier uses none and
-    holds one, as every CPU train job does (one at a time with gpu=1)."""
+    holds one, as every CPU train job does (one at a time with gpu=1). A tier on several
+    nodes holds 0 here: gpu= is sbatch --gpus, the job's total, so it asks for its GPUs per
+    node with train_gres instead (and it runs only inside a SLURM job of its nodes)."""
     train = preset_of(wildcards.preset)["train"]
+    if train["nodes"] > 1:
+        return 0
     if train["device"] == "cpu":
         return 1
     return max(1, train["ranks"] // train["nodes"])
@@ -163,6 +167,20 @@ def train_ranks_per_node(wildcards):
 def train_nodes(wildcards):
     """Machines a train job asks SLURM for (train.nodes, sbatch --nodes)."""
     return preset_of(wildcards.preset)["train"]["nodes"]
+
+
+def train_gres(wildcards):
+    """A GPU tier on several nodes: gpu:<ranks per node> (sbatch --gres, per node); else "" (none)."""
+    train = preset_of(wildcards.preset)["train"]
+    if train["nodes"] > 1 and train["device"] != "cpu":
+        return f"gpu:{train['ranks'] // train['nodes']}"
+    return ""
+
+
+def train_multi_node(wildcards):
+    """1 for a tier on several nodes (the SLURM plugin's `mpi`: sbatch --ntasks=<nodes>, and the job
+    runs in the batch step, where `tiersep train` starts srun itself), else 0."""
+    return int(preset_of(wildcards.preset)["train"]["nodes"] > 1)
 
 
 def host_mem_mb(wildcards, input, attempt):

@@ -13,8 +13,12 @@
 #
 # A data-parallel tier (train.ranks > 1) holds ranks/nodes GPUs (gpu=; Snakemake caps it at the
 # --resources gpu=N given) and, on SLURM, train.nodes nodes (sbatch --nodes): `tiersep train`
-# starts torchrun there, one process per rank. Several nodes need one torchrun per node, which the
-# rule does not start yet: such a tier stops with one line (docs/training.md#data-parallel-tiers).
+# starts torchrun there, one process per rank. On several nodes (profiles/slurm only) it asks the
+# SLURM plugin for nodes, tasks=nodes (one task per node: srun's torchrun), gres=gpu:<ranks per
+# node> (per node; gpu= would be the job's total, so it is 0) and mpi=1 (the job runs in the batch
+# step, not under the plugin's `srun -n1`), and `tiersep train` starts one torchrun per node under
+# srun (docs/training.md#data-parallel-tiers). tasks_per_gpu=0 keeps the plugin from turning
+# tasks into --ntasks-per-gpu.
 checkpoint train:
     input:
         data=data_for,
@@ -32,6 +36,10 @@ checkpoint train:
     resources:
         gpu=train_ranks_per_node,
         nodes=train_nodes,
+        tasks=train_nodes,
+        tasks_per_gpu=0,
+        gres=train_gres,
+        mpi=train_multi_node,
         mem_mb=host_mem_mb,
         runtime=24 * 60,
         vram_mb=lambda wildcards, input: int(

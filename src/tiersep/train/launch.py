@@ -47,11 +47,14 @@ def torchrun_command(ranks: int, child_args: list[str]) -> list[str]:
             "-m", "tiersep.cli", "train", *child_args]
 
 
-def srun_torchrun_command(nodes: int, ranks: int, host: str, port: int, job_id: str,
+def srun_torchrun_command(nodes: int, ranks: int, host: str, port: int, job_id: str, cpus: int,
                           child_args: list[str]) -> list[str]:
     """What runs on several nodes: srun starts one torchrun per node (--kill-on-bad-exit: one node
-    failing ends the others), each with ranks / nodes processes, meeting at host:port (c10d)."""
-    return ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+    failing ends the others), each with ranks / nodes processes, meeting at host:port (c10d).
+    --cpus-per-task: the CPUs this node has (a step gets one per task otherwise: the workflow's
+    jobstep executor passes no SLURM_CPUS_PER_TASK on)."""
+    return ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1",
+            "--cpus-per-task", str(cpus), "--kill-on-bad-exit=1",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
             "--nproc-per-node", str(ranks // nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
             "--rdzv-id", str(job_id), "-m", "tiersep.cli", "train", *child_args]
@@ -135,7 +138,7 @@ def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bo
         if nodes > 1:
             env[LAUNCHER_HOST_ENV] = socket.gethostname()
             command = srun_torchrun_command(nodes, ranks, socket.gethostname(), free_port(),
-                                            os.environ["SLURM_JOB_ID"], child_args)
+                                            os.environ["SLURM_JOB_ID"], len(os.sched_getaffinity(0)), child_args)
             shown = " ".join(command[:command.index("tiersep.cli") + 2])
         else:
             command = torchrun_command(ranks, child_args)
