@@ -126,7 +126,11 @@ def test_outside_slurm_several_nodes_stop_with_one_line_and_exit_2(ws, tmp_path)
 def test_two_nodes_under_a_faked_srun_train_with_one_rendezvous_and_a_shared_state_folder(ws, tmp_path):
     """train.nodes 2, train.ranks 2: the fake srun runs both node processes (torchrun --nnodes 2,
     one rank each) on localhost; they meet through the c10d rendezvous the launcher named."""
+    from tiersep import outputs
+
     out = tmp_path / "out"
+    outputs.claim(out, "train")
+    (out / ".ranks.killed00.tmp").mkdir()   # left by a launcher killed earlier: removed, not "not ours"
     started = time.monotonic()
     done = train(ws, out, "--set", "train.ranks=2", "--set", "train.nodes=2", "--set", "train.steps=3",
                  env=fake_slurm(tmp_path))
