@@ -159,22 +159,29 @@ def test_two_nodes_under_a_faked_srun_train_with_one_rendezvous_and_a_shared_sta
     assert (out / "model.pt").is_file()
 
 
-def test_a_node_that_fails_ends_the_job_with_rank_died(ws, tmp_path):
-    """One node's torchrun killed (srun's --kill-on-bad-exit ends the other): exit 1, failure.json
-    kind rank_died naming the ranks that left no exit code."""
-    out = tmp_path / "out"
-    env = fake_slurm(tmp_path)
+def start_two_nodes(ws, out: Path, tmp_path: Path, steps_logged: int) -> subprocess.Popen:
+    """A long 2-node cpu_tiny tier (1 rank a node) under the fake SLURM job and srun, once it has
+    logged `steps_logged` steps."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
          "--data", str(ws["data"]), "--out", str(out), *SHORT, "--set", "train.ranks=2", "--set", "train.nodes=2",
          "--set", "train.steps=400"], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1", **env})
-    import psutil
-
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1",
+             **fake_slurm(tmp_path)})
     deadline = time.time() + 120
-    while len(metrics_rows(out)) < 2:
+    while len(metrics_rows(out)) < steps_logged:
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.1)
+    return proc
+
+
+def test_a_node_that_fails_ends_the_job_with_rank_died(ws, tmp_path):
+    """One node's torchrun killed (srun's --kill-on-bad-exit ends the other): exit 1, failure.json
+    kind rank_died naming the ranks that left no exit code."""
+    out = tmp_path / "out"
+    proc = start_two_nodes(ws, out, tmp_path, steps_logged=2)
+    import psutil
+
     # a rank's whole "node": the torchrun agent and its rank, killed at once
     agents = [p for p in psutil.Process(proc.pid).children(recursive=True)
               if p.cmdline()[1:3] == ["-m", "torch.distributed.run"]]
@@ -186,7 +193,6 @@ def test_a_node_that_fails_ends_the_job_with_rank_died(ws, tmp_path):
     log = proc.stdout.read()
     assert code == 1, log[-3000:]
     failure = json.loads((out / "failure.json").read_text())
-    print(failure["message"])
     assert failure["kind"] == "rank_died" and 1 in failure["ranks_failed"], failure
 
 
@@ -199,16 +205,7 @@ def test_sigterm_to_the_launcher_goes_through_srun_and_stops_both_nodes_with_one
     from tiersep.train.checkpoint import load_checkpoint
 
     out = tmp_path / "out"
-    env = fake_slurm(tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
-         "--data", str(ws["data"]), "--out", str(out), *SHORT, "--set", "train.ranks=2", "--set", "train.nodes=2",
-         "--set", "train.steps=400"], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1", **env})
-    deadline = time.time() + 120
-    while len(metrics_rows(out)) < 3:
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.1)
+    proc = start_two_nodes(ws, out, tmp_path, steps_logged=3)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=90)
     log = proc.stdout.read()
