@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from tiersep.memory.estimate import estimate
 from tiersep.memory.trace import trace_step
 from tiersep.model import build_model
 from tiersep.records import validate_record
+from tiersep.train.launch import free_port
 
 from test_train_support import REPO
 
@@ -99,12 +99,6 @@ RUNS = [{}, WIDE, {**WIDE, "train.grad_accum": 2}]
 TOLERANCE_BYTES = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _variant(sets: dict) -> dict:
     preset = C.set_field(C.load_preset("cpu_tiny"), "train.ranks", 2)
     for dotted, value in sets.items():
@@ -115,7 +109,7 @@ def _variant(sets: dict) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks():
     """Two real gloo ranks (torchrun's variables), each measuring the RUNS (tests/ddp_rank_memory.py)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "ddp_rank_memory.py"), json.dumps(RUNS)],
                               cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,

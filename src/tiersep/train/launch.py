@@ -136,8 +136,8 @@ def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bo
         # the node's cores shared between its ranks (torchrun would give each one thread)
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (ranks // nodes))))
         if nodes > 1:
-            env[LAUNCHER_HOST_ENV] = socket.gethostname()
-            command = srun_torchrun_command(nodes, ranks, socket.gethostname(), free_port(),
+            env[LAUNCHER_HOST_ENV] = host = socket.gethostname()
+            command = srun_torchrun_command(nodes, ranks, host, free_port(),
                                             os.environ["SLURM_JOB_ID"], len(os.sched_getaffinity(0)), child_args)
             shown = " ".join(command[:command.index("tiersep.cli") + 2])
         else:
