@@ -81,11 +81,20 @@ def fake_slurm(tmp_path: Path, nodes: int = 2) -> dict:
             "FAKE_SRUN_LOG": str(tmp_path / "srun.log")}
 
 
+def train_command(ws, out: Path, *sets: str) -> list[str]:
+    """`tiersep train --preset cpu_tiny`, short, with `sets`."""
+    return [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
+            "--data", str(ws["data"]), "--out", str(out), *SHORT, *sets]
+
+
+def outside_slurm(env: dict | None = None) -> dict:
+    """This process's environment without the SLURM job it may run in (CI runs inside one), plus `env`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1",
+            **(env or {})}
+
+
 def train(ws, out: Path, *sets: str, env: dict | None = None):
-    cmd = [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
-           "--data", str(ws["data"]), "--out", str(out), *SHORT, *sets]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    return subprocess.run(cmd, cwd=REPO, env={**clean, "OMP_NUM_THREADS": "1", **(env or {})}, text=True,
+    return subprocess.run(train_command(ws, out, *sets), cwd=REPO, env=outside_slurm(env), text=True,
                           capture_output=True, timeout=300)
 
 
@@ -163,11 +172,8 @@ def start_two_nodes(ws, out: Path, tmp_path: Path, steps_logged: int) -> subproc
     """A long 2-node cpu_tiny tier (1 rank a node) under the fake SLURM job and srun, once it has
     logged `steps_logged` steps."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
-         "--data", str(ws["data"]), "--out", str(out), *SHORT, "--set", "train.ranks=2", "--set", "train.nodes=2",
-         "--set", "train.steps=400"], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1",
-             **fake_slurm(tmp_path)})
+        train_command(ws, out, "--set", "train.ranks=2", "--set", "train.nodes=2", "--set", "train.steps=400"),
+        cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=outside_slurm(fake_slurm(tmp_path)))
     deadline = time.time() + 120
     while len(metrics_rows(out)) < steps_logged:
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
