@@ -14,12 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train_support import REPO, make_workspace, metrics_rows
+from test_train_support import REPO, cpu_tiny_command, make_workspace, metrics_rows
 
-CPU_TINY = str(REPO / "config" / "presets" / "cpu_tiny.yaml")
-# cpu_tiny, short: no validation or checkpoint before the end, the last weights exported
-SHORT = ["--set", "train.validate_every=1000", "--set", "train.checkpoint_every=1000",
-         "--set", "train.validate_segments=1", "--set", "train.export=last", "--set", "train.warmup_steps=2"]
 # Measured over 20 steps (2 ranks x 1 vs 1 x 2, 2026-11-25): largest difference 2.5e-5 (rms 1.6e-6)
 # on weights of order 0.1-1. One process on half the data (micro-batch 1) instead: 0.068 (rms 1e-2).
 RTOL, ATOL = 1e-4, 1e-4
@@ -32,8 +28,7 @@ def ws(tmp_path_factory):
 
 def train(ws, out: Path, *sets: str, env: dict | None = None, wait: bool = True):
     """`tiersep train --preset cpu_tiny` as a real process; the CompletedProcess (or the Popen)."""
-    cmd = [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]),
-           "--preset", CPU_TINY, "--data", str(ws["data"]), "--out", str(out), *SHORT, *sets]
+    cmd = cpu_tiny_command(ws, out, *sets)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:
         log = open(str(out) + ".log", "w")
@@ -306,8 +301,7 @@ def test_torchrun_started_by_hand_trains_with_rank_0_holding_the_folder(ws, tmp_
     claims and locks the run folder itself; a torchrun world that is not train.ranks is refused."""
     out = tmp_path / "out"
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
-            "--data", str(ws["data"]), "--out", str(out), *SHORT, "--set", "train.steps=4"]
+            *cpu_tiny_command(ws, out, "--set", "train.steps=4")[1:]]      # [1:]: torchrun runs the python
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*base, "--set", "train.ranks=2"], cwd=REPO, env=env, text=True, capture_output=True,
                           timeout=300)

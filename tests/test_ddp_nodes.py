@@ -18,13 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from test_train_support import REPO, make_workspace, metrics_rows
+from test_train_support import REPO, cpu_tiny_command, make_workspace, metrics_rows
 from tiersep.train import launch
-
-CPU_TINY = str(REPO / "config" / "presets" / "cpu_tiny.yaml")
-SHORT = ["--set", "train.validate_every=1000", "--set", "train.checkpoint_every=1000",
-         "--set", "train.validate_segments=1", "--set", "train.export=last", "--set", "train.warmup_steps=2",
-         "--set", "train.num_workers=0"]
 
 FAKE_SRUN = '''#!{python}
 """Fake srun for tests/test_ddp_nodes.py: every "node" of --nodes N runs on this machine."""
@@ -82,9 +77,8 @@ def fake_slurm(tmp_path: Path, nodes: int = 2) -> dict:
 
 
 def train_command(ws, out: Path, *sets: str) -> list[str]:
-    """`tiersep train --preset cpu_tiny`, short, with `sets`."""
-    return [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]), "--preset", CPU_TINY,
-            "--data", str(ws["data"]), "--out", str(out), *SHORT, *sets]
+    """`tiersep train --preset cpu_tiny`, short, no loader workers, with `sets`."""
+    return cpu_tiny_command(ws, out, "--set", "train.num_workers=0", *sets)
 
 
 def outside_slurm(env: dict | None = None) -> dict:

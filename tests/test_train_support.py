@@ -72,6 +72,20 @@ def cli_train(ws: dict, out: Path, *args: str, env: dict | None = None,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+# The shipped cpu_tiny tier, short: no validation or checkpoint before the end, the last weights
+# exported (the data-parallel tests train it in real torchrun processes).
+CPU_TINY_FILE = str(REPO / "config" / "presets" / "cpu_tiny.yaml")
+CPU_TINY_SHORT = ["--set", "train.validate_every=1000", "--set", "train.checkpoint_every=1000",
+                  "--set", "train.validate_segments=1", "--set", "train.export=last",
+                  "--set", "train.warmup_steps=2"]
+
+
+def cpu_tiny_command(ws: dict, out: Path, *sets: str) -> list[str]:
+    """`tiersep train --preset cpu_tiny`, short (CPU_TINY_SHORT), then `sets`."""
+    return [sys.executable, "-m", "tiersep.cli", "train", "--config", str(ws["config_file"]),
+            "--preset", CPU_TINY_FILE, "--data", str(ws["data"]), "--out", str(out), *CPU_TINY_SHORT, *sets]
+
+
 def metrics_rows(out: Path) -> list[dict]:
     import csv
 
