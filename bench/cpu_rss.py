@@ -16,6 +16,10 @@ what auto picks whenever its booking fits the budget).
 draw), --jobs trains a preset's two malloc variants at once. The process allowance is measured
 afresh first (--keep-allowance: this boot's kept one).
 
+--rebook ROWS_JSON trains nothing: it books a kept run's presets again with the booking model as it
+is now (against that run's own allowance) and writes its table again, saying so. The real peaks and
+times are that run's (the json every run leaves in --work).
+
 --phases also runs the presets it names once more in a probe process that samples its own RSS
 every millisecond and marks the trainer's phases (gate/trace, build, step, validate, checkpoint, export); what it
 prints is diagnostic (the real figures are the outside measurements).
@@ -385,7 +389,7 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         "PRESETS in the script.", "",
         "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: "
         f"tuned = {booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
-        f"({cpu_process.GLIBC_DEFAULT_FACTOR_CHECKPOINTED} x with checkpointing).",
+        "(with checkpointing too: the trainer trims its heap around each block, `cpu_process.trimmed_heap`).",
         "- real: peak RSS of the whole `tiersep train` process, exit included (os.wait4 ru_maxrss through a "
         "fresh launcher: `cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run, "
         "after the imports) / live. steps/s: run.json's, the whole run (validation after every step).",
@@ -442,7 +446,7 @@ def write_random_markdown(path: Path, rows, variants, base, info, args, refused:
         f"{args.max_live_gib:g} GiB of live tensors were drawn again (CPU-sized presets).", "",
         "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: tuned = "
         f"{booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
-        f"({cpu_process.GLIBC_DEFAULT_FACTOR_CHECKPOINTED} x with checkpointing).",
+        "(with checkpointing too: the trainer trims its heap around each block, `cpu_process.trimmed_heap`).",
         "- real: peak RSS of the whole `tiersep train` process (its loader workers included), exit included "
         "(`cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run) / live.", "",
         *table(rows, variants), "",
@@ -476,6 +480,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--keep-allowance", action="store_true",
                         help="use this boot's kept process allowance instead of measuring it again first")
+    parser.add_argument("--rebook", type=Path, metavar="ROWS_JSON",
+                        help="book a kept run's presets again with the current model; trains nothing")
     parser.add_argument("--child-phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -487,6 +493,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from tiersep.memory import cpu_process
 
+    if args.rebook:
+        return rebook(args)
     started = time.time()
     if not args.keep_allowance:   # measured now, in the page-cache state the runs will see
         cache = cpu_process.allowance_cache_file()
@@ -520,7 +528,40 @@ def main(argv=None) -> int:
         print(f"wrote {out}")
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / ("rows_random.json" if args.random else "rows.json")).write_text(
-        json.dumps({"machine": info, "baseline": base, "rows": rows, "seconds": seconds}, indent=1))
+        json.dumps({"machine": info, "baseline": base, "rows": rows, "seconds": seconds,
+                    "refused": refused if args.random else 0, "date": time.strftime("%Y-%m-%d")}, indent=1))
+    return 0
+
+
+def rebook(args) -> int:
+    """--rebook: the kept run's rows booked again by cpu_process.booking as it is now, against the
+    allowance that run measured, and its table written again (saying so)."""
+    from tiersep.memory import cpu_process
+
+    kept = json.loads(args.rebook.read_text())
+    base = kept["baseline"]
+    cpu_process.process_allowance = lambda: base          # that run's allowance, not one measured now
+    for row in kept["rows"]:
+        preset = {"model": {"checkpointing": row["checkpointing"]}, "train": {"host_malloc": "auto"}}
+        row["booking"] = cpu_process.booking({"peak_bytes": row["live_bytes"]}, preset)
+    rows = kept["rows"]
+    refused = kept.get("refused")
+    if args.random and refused is None:                    # runs from before the json kept it
+        refused = draw_presets(args.random, args.seed, int(args.max_live_gib * GIB))[1]
+    print("\n".join(table(rows, args.variants)))
+    print("booking / real: " + "; ".join(f"{v} {ratio_range(rows, v)}" for v in args.variants))
+    note = (f"Booked again on {time.strftime('%Y-%m-%d')} with the booking model of this commit "
+            f"(`--rebook {args.rebook.name}`) from the measurements of the run of {kept.get('date', 'the same day')}: "
+            "real peaks, times and the allowance are that run's.")
+    if not args.no_write:
+        out = args.out or ROOT / "bench" / "results" / ("cpu_rss_random.md" if args.random else "cpu_rss.md")
+        if args.random:
+            write_random_markdown(out, rows, args.variants, base, kept["machine"], args, refused, kept["seconds"])
+        else:
+            write_markdown(out, rows, args.variants, base, kept["machine"], args)
+        text = out.read_text().split("\n")
+        out.write_text("\n".join([*text[:2], note, "", *text[2:]]))
+        print(f"wrote {out}")
     return 0
 
 

@@ -281,8 +281,9 @@ def test_attend_splits_large_sequence_batches(monkeypatch):
 # training behaviour
 
 
-def loss_and_grads(checkpointing: bool):
+def loss_and_grads(checkpointing: bool, context=None):
     model = tiny_model(n_layers=2, dropout=0.1, checkpointing=checkpointing).train()
+    model.checkpoint_context = context
     loss_fn = SeparationLoss(1.0, 1.0, default_resolutions(64))
     torch.manual_seed(1)
     mixture, stems = torch.randn(2, 2, 1024), torch.randn(2, 4, 2, 1024)
@@ -299,6 +300,30 @@ def test_checkpointing_gives_the_same_loss_and_gradients():
     for name, grad in grads_plain.items():
         assert torch.allclose(grad, grads_ckpt[name], atol=1e-6, rtol=1e-5), name
     assert any(g.abs().sum() > 0 for g in grads_plain.values())
+
+
+def test_the_checkpoint_context_wraps_each_blocks_forward_and_recomputation():
+    """The CPU trainer's heap trim (cpu_process.trimmed_heap) is entered before each checkpointed
+    block runs, in the forward and again in backward's recomputation, and changes no gradient."""
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def count():
+        entered.append(torch.is_grad_enabled())
+        yield
+
+    loss_plain, grads_plain = loss_and_grads(True)
+    loss_ctx, grads_ctx = loss_and_grads(True, count)
+    assert len(entered) == 2 * 2          # 2 blocks: forward + recomputation each
+    assert torch.equal(loss_plain, loss_ctx)
+    assert all(torch.equal(g, grads_ctx[n]) for n, g in grads_plain.items())
+    with torch.no_grad():                 # no checkpointing without autograd: no context either
+        model = tiny_model(n_layers=2, checkpointing=True).eval()
+        model.checkpoint_context = count
+        model(torch.randn(1, 2, 1024))
+    assert len(entered) == 4
 
 
 def test_bf16_autocast_forward_runs_and_stays_close_to_fp32():

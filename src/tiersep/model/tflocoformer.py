@@ -249,6 +249,9 @@ class TFLocoformer(nn.Module):
         self.n_sources, self.channels = n_sources, channels
         self.n_fft, self.hop, self.window = n_fft, hop, window
         self.checkpointing, self.normalize_input = checkpointing, normalize_input
+        # With checkpointing: a context-manager factory entered around each block's forward and
+        # its recomputation (the CPU trainer's heap trim, memory.cpu_process.trimmed_heap); None: none
+        self.checkpoint_context = None
 
         self.encoder = nn.Sequential(
             nn.Conv2d(2 * channels, emb_dim, 3, padding=1),
@@ -310,7 +313,9 @@ class TFLocoformer(nn.Module):
         x = x.movedim(1, -1)  # [B, T, F, E]
         for block in self.blocks:
             if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                context = self.checkpoint_context
+                contexts = {"context_fn": lambda: (context(), context())} if context else {}
+                x = checkpoint(block, x, use_reentrant=False, **contexts)
             else:
                 x = block(x)
         x = x.movedim(-1, 1)  # [B, E, T, F]

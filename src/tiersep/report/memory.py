@@ -9,8 +9,8 @@ cuda  device use: estimate peak_bytes (allocator reserved peak + CUDA context) v
       peak_device_bytes (total - free) - the headline; allocated: allocated_peak_bytes vs
       peak_allocated_bytes (max_memory_allocated); reserved: reserved_peak_bytes vs
       peak_reserved_bytes (max_memory_reserved).
-cpu   process RSS: the gate's booking before exit (cpu_process.run_rss_bytes: gate_required_bytes
-      less the library pages touched only at interpreter exit, which a run's own VmHWM cannot
+cpu   process RSS: the gate's booking before exit (cpu_process.run_rss_bytes: the booked process
+      without the library pages touched only at interpreter exit, which a run's own VmHWM cannot
       see; older estimates: gate_required_bytes) vs peak_rss_bytes - the headline;
       live tensors: peak_bytes vs peak_allocated_bytes (tensor bytes the trainer counted).
 """

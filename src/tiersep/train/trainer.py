@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from tiersep.config import ConfigError
 from tiersep.io import write_json
+from tiersep.memory.cpu_process import trimmed_heap
 from tiersep.outputs import claim, exclusive, move_aside, only_names
 from tiersep.train import checkpoint as ckpt
 from tiersep.train import distributed, launch, record
@@ -216,6 +217,11 @@ class Training:
         p, t, state = self.preset, self.t, self.plan.resume
         ckpt.seed_everything(t["seed"])
         self.model = build_model(p).to(self.device)
+        if (self.plan.malloc or {}).get("trim_heap"):   # booked so (memory.cpu_process.trimmed_heap)
+            if self.plan.compile:   # dynamo does not trace the C call: the compiled step runs untrimmed
+                self.plan.malloc["trim_heap"] = False
+            else:
+                self.model.checkpoint_context = trimmed_heap
         self.parameters = count_parameters(self.model)
         self.loss_fn = build_loss(p)
         self.optimizer = make_optimizer(self.model, p, self.device.type)

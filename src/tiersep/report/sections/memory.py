@@ -43,7 +43,7 @@ def memory_table(tiers: list[Tier]) -> Table:
         "allocated_peak_bytes vs torch.cuda.max_memory_allocated (live tensors); reserved: "
         "reserved_peak_bytes vs torch.cuda.max_memory_reserved.",
         "CPU — process RSS: what the fit gate books for the process before exit "
-        "(cpu_process.run_rss_bytes: gate_required_bytes less the library pages touched only at "
+        "(cpu_process.run_rss_bytes: the booked process without the library pages touched only at "
         "interpreter exit) vs the measured peak resident set size before exit; live tensor bytes: estimate peak_bytes vs the tensor bytes "
         "the trainer counted (peak_allocated_bytes; not recorded by trainers that logged the RSS there).",
     ]
