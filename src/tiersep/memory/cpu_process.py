@@ -55,15 +55,23 @@ def malloc_env() -> dict[str, str]:
     return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 
+def _libc_function(name: str):
+    """The C library's function `name` (glibc's on Linux), or None where there is none to call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def configure_malloc() -> dict:
     """Apply the malloc settings the booking assumes to this process (glibc only); returns what was
     set, for run.json. Later allocations follow them, so calling it before the model exists is enough."""
     if not sys.platform.startswith("linux"):
         return {"allocator": sys.platform, "applied": False, "reason": "not Linux glibc"}
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return {"allocator": "unknown libc", "applied": False, "reason": "no mallopt in the C library"}
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
@@ -74,13 +82,9 @@ def configure_malloc() -> dict:
 @functools.cache
 def _malloc_trim():
     """glibc's malloc_trim, or None off glibc."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim = _libc_function("malloc_trim")
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
 
 
@@ -311,14 +315,14 @@ def process_allowance() -> dict:
     return allowance
 
 
-def booking(record: dict, preset: dict) -> dict:
+def booking(record: dict, preset: dict, allowance: dict | None = None) -> dict:
     """The predicted peak RSS of a `tiersep train` process for this CPU estimate, in each malloc
     mode (`glibc_default`, `tuned`: rss_bytes, its whole life's peak, what the gate books;
     run_rss_bytes, its peak before exit, what run.json's peak_rss_bytes measures), with the mode a
     run without a budget uses (glibc_default) copied to the top level; `choose_malloc` picks
-    again for a budget."""
+    again for a budget. `allowance`: a measured process_allowance() to use (default: this machine's)."""
     live = int(record["peak_bytes"])
-    allowance = process_allowance()
+    allowance = allowance or process_allowance()
     process, exit_pages = allowance["process_bytes"], allowance["exit_pages_bytes"]
     source = allowance["source"] + (f"; kept in {allowance['cache_file']}" if "cache_file" in allowance else "")
     booked = {"live_bytes": live, "process_bytes": process, "process_source": source,

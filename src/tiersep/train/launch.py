@@ -134,11 +134,12 @@ def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bo
         env = {**os.environ, RANK_STATE_ENV: str(state), LAUNCHER_ENV: str(os.getpid()),
                "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
         # the node's cores shared between its ranks (torchrun would give each one thread)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (ranks // nodes))))
+        cpus = len(os.sched_getaffinity(0))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // (ranks // nodes))))
         if nodes > 1:
             env[LAUNCHER_HOST_ENV] = host = socket.gethostname()
             command = srun_torchrun_command(nodes, ranks, host, free_port(),
-                                            os.environ["SLURM_JOB_ID"], len(os.sched_getaffinity(0)), child_args)
+                                            os.environ["SLURM_JOB_ID"], cpus, child_args)
             shown = " ".join(command[:command.index("tiersep.cli") + 2])
         else:
             command = torchrun_command(ranks, child_args)

@@ -148,7 +148,8 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     elif state:
         plan.recovered_from = state["run"].get("recovered_from")
     if gated_on_main:
-        plan.estimate, plan.malloc = main_estimate, host_malloc(device, main_estimate, preset)
+        plan.estimate = main_estimate
+        plan.malloc = host_malloc(plan)
         return plan
     plan.refusal = cpu_refusal(preset) if device.type == "cpu" else None
     if plan.refusal is not None:
@@ -165,21 +166,24 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
         plan.refusal, plan.estimate = str(refused), refused.estimate
         if cfg["on_oversize"] == "adapt" and plan.budget is not None:
             _adapt(plan, cfg, refused, out_dir, resume)
-    plan.malloc = host_malloc(device, plan.estimate, plan.preset)
+    plan.malloc = host_malloc(plan)
     return plan
 
 
-def host_malloc(device: torch.device, estimate: dict | None, preset: dict) -> dict:
-    """Apply the malloc mode the CPU gate booked (before the model exists) and say which, for
-    run.json: the tuned settings only when glibc's own did not fit the budget (cpu_process);
-    `trim_heap`: the trainer trims glibc's heap around each checkpointed block, as booked."""
-    booked = (estimate or {}).get("cpu_process") if device.type == "cpu" else None
+def host_malloc(plan: RunPlan) -> dict:
+    """Apply the malloc mode the CPU gate booked for the plan's estimate (before the model exists)
+    and say which, for run.json: the tuned settings only when glibc's own did not fit the budget
+    (cpu_process); `trim_heap`: the trainer trims glibc's heap around each checkpointed block, as
+    booked, unless the step is compiled (dynamo does not trace the C call)."""
+    device = plan.device
+    booked = (plan.estimate or {}).get("cpu_process") if device.type == "cpu" else None
     mode = booked.get("malloc", "tuned") if booked else None   # bookings from before the modes assumed tuned
     if mode == "tuned":
         return {**configure_malloc(), "trim_heap": False}
     why = ("glibc's own malloc: its booking fits the budget" if mode == "glibc_default"
            else "CUDA run: the gate books device memory" if device.type == "cuda" else "no CPU booking")
-    return {"allocator": "glibc", "applied": False, "reason": why, "trim_heap": trims_heap(preset, mode)}
+    return {"allocator": "glibc", "applied": False, "reason": why,
+            "trim_heap": trims_heap(plan.preset, mode) and not plan.compile}
 
 
 def _adapt(plan: RunPlan, cfg: dict, refused, out_dir: Path, resume: bool) -> None:

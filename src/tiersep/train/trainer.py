@@ -217,11 +217,8 @@ class Training:
         p, t, state = self.preset, self.t, self.plan.resume
         ckpt.seed_everything(t["seed"])
         self.model = build_model(p).to(self.device)
-        if (self.plan.malloc or {}).get("trim_heap"):   # booked so (memory.cpu_process.trimmed_heap)
-            if self.plan.compile:   # dynamo does not trace the C call: the compiled step runs untrimmed
-                self.plan.malloc["trim_heap"] = False
-            else:
-                self.model.checkpoint_context = trimmed_heap
+        if (self.plan.malloc or {}).get("trim_heap"):   # booked so (plan.host_malloc)
+            self.model.checkpoint_context = trimmed_heap
         self.parameters = count_parameters(self.model)
         self.loss_fn = build_loss(p)
         self.optimizer = make_optimizer(self.model, p, self.device.type)
