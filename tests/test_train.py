@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -128,6 +129,23 @@ def test_trainer_with_accumulation_matches_the_large_batch(ws, tmp_path):
         # ...and the same weights, to a fraction of one Adam update per step.
         for key, value in weights[(4, 1)].items():
             torch.testing.assert_close(weights[other][key], value, rtol=0, atol=0.15 * lr)
+
+
+def test_the_heap_is_given_back_once_the_runs_model_is_gone(ws, tmp_path, monkeypatch):
+    """train() gives glibc's free heap pages back (cpu_process.release_heap) after the run's model
+    is freed, so the library pages the exit touches take their room: the CPU booking counts those
+    pages once (docs/memory.md). Called earlier, the freed model's pages would stay in the heap."""
+    models, released = [], []
+    build = trainer.Training._build
+
+    def spied_build(self):
+        build(self)
+        models.append(weakref.ref(self.model))
+
+    monkeypatch.setattr(trainer.Training, "_build", spied_build)
+    monkeypatch.setattr(trainer, "release_heap", lambda: released.append([ref() is None for ref in models]))
+    assert trainer.train(ws["cfg"], tiny_preset(**{"train.steps": 2}), ws["data"], tmp_path / "run") == 0
+    assert released == [[True]]
 
 
 # ----------------------------------------------------------------------------------- outputs

@@ -19,6 +19,7 @@ runs this same loop in every rank under torchrun (launch.py starts it, distribut
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from tiersep.config import ConfigError
 from tiersep.io import write_json
-from tiersep.memory.cpu_process import trimmed_heap
+from tiersep.memory.cpu_process import release_heap, trimmed_heap
 from tiersep.outputs import claim, exclusive, move_aside, only_names
 from tiersep.train import checkpoint as ckpt
 from tiersep.train import distributed, launch, record
@@ -61,11 +62,17 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
     wall_start = time.time()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     args = (cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path)
-    if distributed.is_data_parallel(preset):
-        return _train_data_parallel(*args, wall_start)
-    claim(out_dir, "train", known=only_names(record.RUN_FILES))
-    with exclusive(out_dir):
-        return _train(*args, wall_start)
+    try:
+        if distributed.is_data_parallel(preset):
+            return _train_data_parallel(*args, wall_start)
+        claim(out_dir, "train", known=only_names(record.RUN_FILES))
+        with exclusive(out_dir):
+            return _train(*args, wall_start)
+    finally:
+        # The run's model and optimizer are gone: give glibc's free heap pages back, so that the
+        # library pages the exit touches take their room (the CPU booking counts them once).
+        gc.collect()
+        release_heap()
 
 
 def _train_data_parallel(cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path,
