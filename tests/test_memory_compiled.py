@@ -113,7 +113,10 @@ def test_the_record_models_the_compiled_step_when_the_preset_compiles(cpu_record
     # the same weights and optimizer state; fewer activations
     assert compiled["breakdown"]["weights"] == eager["breakdown"]["weights"]
     assert compiled["peak_bytes"] < 0.9 * eager["peak_bytes"]
-    assert compiled["gate_required_bytes"] < eager["gate_required_bytes"]
+    # the process booked before exit is smaller; the whole life's booking may be the allowance for
+    # both (the exit pages count once, in the floor: cpu_process.booking), never more
+    assert compiled["cpu_process"]["run_rss_bytes"] < eager["cpu_process"]["run_rss_bytes"]
+    assert compiled["gate_required_bytes"] <= eager["gate_required_bytes"]
 
 
 def test_compiles_follows_train_compile():
