@@ -69,7 +69,7 @@ def test_definition_installs_ffmpeg_and_the_package(recipe):
     for source, dest in copied.items():
         assert (REPO / source).exists(), f"%files copies {source}, which is not in the repository"
         assert dest.startswith("/opt/tiersep/"), dest
-    for needed in ("pyproject.toml", "src", "workflow", "README.md"):
+    for needed in ("pyproject.toml", "setup.py", "src", "workflow", "README.md"):
         assert needed in copied, f"%files does not copy {needed}"
 
 

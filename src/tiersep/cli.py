@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+import tiersep
 from tiersep import config as C
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -379,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tiersep", description="Train TF-Locoformer separators at several GPU-memory tiers: "
         "prepare data, estimate peak VRAM, train, evaluate, report.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tiersep {tiersep.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     budget_gib = _schema_number("config.schema.yaml", "budget_gib", float)
 
