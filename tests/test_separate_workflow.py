@@ -38,3 +38,23 @@ def test_the_separate_target_separates_every_song_with_every_trained_tier(tmp_pa
     assert "tiersep separate: test_tiny on cpu" in (work / "logs" / "separate" / "test_tiny.log").read_text()
     again = run_snakemake(work, "--cores", "1", "separate", *configs).stdout
     assert "Nothing to be done" in again
+
+    # Issue 32: a config change (a budget and a new song) reruns, in ONE run, every job it affects,
+    # and `snakemake -n` shows them first. It used to run only the `config` job, say "done", and
+    # leave the estimates, the report and the separations stale until a second run.
+    sf.write(tmp_path / "third.wav", 0.1 * rng.standard_normal((16000, 2)), 16000)
+    (work / "changed.yaml").write_text(yaml.safe_dump(
+        {"budget_gib": 30, "separate": {"inputs": [str(songs), str(tmp_path / "third.wav")], "tiers": ["test_tiny"],
+                                        "chunk_seconds": 1.0, "device": "cpu"}}))
+    changed = ["--configfile", "tests/configs/tiny.yaml", "changed.yaml"]
+    plan = run_snakemake(work, "-n", "all", "separate", *changed).stdout
+    # the jobs below the train checkpoint (separate_tier, report) join the plan once it has run
+    assert "rule estimate:" in plan and "checkpoint train:" in plan and "rule config:" not in plan, plan[-3000:]
+    run_snakemake(work, "--cores", "1", "all", "separate", *changed)
+    assert yaml.safe_load((work / "results" / "config.yaml").read_text())["budget_gib"] == 30
+    # large is estimated for a GPU, so it is judged against budget_gib (test_tiny, on CPU, against RAM)
+    assert json.loads((work / "results" / "vram" / "large.json").read_text())["budget_bytes"] == 30 * 2**30
+    assert "30 GiB" in (work / "results" / "report" / "report.md").read_text()
+    for song in ("first song", "second", "third"):
+        assert (folder / song / "separate.json").is_file(), song
+    assert "Nothing to be done" in run_snakemake(work, "--cores", "1", "all", "separate", *changed).stdout

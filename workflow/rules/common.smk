@@ -43,12 +43,26 @@ if workflow.is_main_process:
         print(f"tiersep: {_unlocked}", file=sys.stderr)
 RESULTS = CFG["results_dir"]
 CONTAINER = CFG["container"]
-# Written by the `config` rule. An input of every job, marked ancient: a config change reruns only
-# the jobs whose own settings (their params) changed, not everything downstream of the file.
+# Written by the `config` rule when missing, and again before any job of a run starts (onstart).
+# An input of every job, marked ancient: a config change reruns only the jobs whose own settings
+# (their params) changed, in the same run, and `snakemake -n` lists them.
 CONFIG_FILE = f"{RESULTS}/config.yaml"
 MERGED_CONFIG = json.dumps(
     {k: v for k, v in CFG.items() if not k.startswith("_")}, sort_keys=True
 )
+
+
+def write_merged_config(log="logs/config.log"):
+    """`tiersep config`: CONFIG_FILE from the merged, validated config (temporary + rename)."""
+    merged, out = MERGED_CONFIG, CONFIG_FILE  # shell() formats {names} from these locals
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    shell("tiersep config --merged {merged:q} --out {out:q} > {log:q} 2>&1")
+
+
+onstart:
+    # Not in a dry run (nothing is written) nor in cluster jobs (Snakemake runs no hooks there).
+    if os.path.exists(CONFIG_FILE):
+        write_merged_config()
 
 
 def _trials():

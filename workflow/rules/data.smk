@@ -1,14 +1,16 @@
 # The merged config every job reads (Snakemake's config after --configfile/--config, validated).
+# This rule makes it when it is missing; a run that starts jobs writes it again first (onstart in
+# common.smk). It has no params on purpose: a config change must not rerun this job, or Snakemake
+# would skip the params check of every job below it (their config input is ancient) and the first
+# run would do nothing but rewrite this file.
 rule config:
     output:
         CONFIG_FILE,
     log:
         "logs/config.log",
     localrule: True
-    params:
-        merged=lambda wildcards: MERGED_CONFIG,  # a function: braces in a value are not wildcards
-    shell:
-        "tiersep config --merged {params.merged:q} --out {output} > {log} 2>&1"
+    run:
+        write_merged_config(log[0])
 
 
 # Ingest + validate + resample once. One job per (source, rate); the folder is one output, so a
