@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from tiersep.outputs import claim, exclusive, move_aside, only_names
 from tiersep.train import checkpoint as ckpt
 from tiersep.train import distributed, launch, record
 from tiersep.train.oom import INJECT_OOM_ENV, is_oom, maybe_inject_oom, parse_injection
+from tiersep.train.job import TrainJob
 from tiersep.train.plan import RunPlan, plan_run
 from tiersep.train.resume import extension
 from tiersep.train.schedule import Schedule
@@ -59,15 +61,13 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
     With `outcome_path` (the workflow's train checkpoint), the outcome is written there at the end:
     trained, or refused by the gate; a refusal is then a finished outcome (exit 0) unless
     on_oversize is fail. Without it a refusal exits 3."""
-    wall_start = time.time()
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
-    args = (cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path)
+    job = TrainJob(cfg, preset, Path(data_dir), Path(out_dir), resume, estimate_path, attempt, outcome_path)
     try:
         if distributed.is_data_parallel(preset):
-            return _train_data_parallel(*args, wall_start)
-        claim(out_dir, "train", known=only_names(record.RUN_FILES))
-        with exclusive(out_dir):
-            return _train(*args, wall_start)
+            return _train_data_parallel(job)
+        claim(job.out_dir, "train", known=only_names(record.RUN_FILES))
+        with exclusive(job.out_dir):
+            return _train(job)
     finally:
         # The run's model and optimizer are gone: give glibc's free heap pages back, so that the
         # library pages the exit touches take their room (the CPU booking counts them once).
@@ -75,31 +75,29 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
         release_heap()
 
 
-def _train_data_parallel(cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path,
-                         wall_start) -> int:
+def _train_data_parallel(job: TrainJob) -> int:
     """A data-parallel tier. Not under torchrun: hold the run folder and run the ranks under it
     (launch.py). Under torchrun: join the process group and train as one rank; rank 0 takes the
     lock itself unless the launching tiersep process holds it. Every rank notes its exit code for
     the launcher, and whether it stopped because another rank was gone."""
-    problem = distributed.topology_problem(preset)
+    problem = distributed.topology_problem(job.preset)
     if problem is None and not distributed.under_torchrun():
-        problem = launch.allocation_problem(preset)   # several nodes: a SLURM allocation of them
+        problem = launch.allocation_problem(job.preset)   # several nodes: a SLURM allocation of them
     if problem:
         raise distributed.TopologyError(problem)
-    args = (cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path)
     if not distributed.under_torchrun():
-        claim(out_dir, "train", known=only_names(record.RUN_FILES))
-        with exclusive(out_dir):
-            return launch.run_ranks(*args)
-    ranks = distributed.start(preset)
+        claim(job.out_dir, "train", known=only_names(record.RUN_FILES))
+        with exclusive(job.out_dir):
+            return launch.run_ranks(job)
+    ranks = distributed.start(job.preset)
     notes = {"code": 1, "peer_failure": False, "step": None}
     try:
         if ranks.is_main and not distributed.launcher_holds_lock():
-            claim(out_dir, "train", known=only_names(record.RUN_FILES))
-            with exclusive(out_dir):
-                notes["code"] = _train(*args, wall_start, ranks=ranks, notes=notes)
+            claim(job.out_dir, "train", known=only_names(record.RUN_FILES))
+            with exclusive(job.out_dir):
+                notes["code"] = _train(job, ranks=ranks, notes=notes)
         else:
-            notes["code"] = _train(*args, wall_start, ranks=ranks, notes=notes)
+            notes["code"] = _train(job, ranks=ranks, notes=notes)
         return notes["code"]
     except ConfigError as err:
         notes["code"] = getattr(err, "exit_code", 2)
@@ -119,55 +117,57 @@ def _train_data_parallel(cfg, preset, data_dir, out_dir, resume, estimate_path, 
         distributed.finish()
 
 
-def _train(cfg, preset, data_dir, out_dir, resume, estimate_path, attempt, outcome_path, wall_start,
-           ranks=None, notes=None) -> int:
+def _train(job: TrainJob, ranks=None, notes=None) -> int:
     if ranks is not None and not ranks.is_main:
-        return _train_other_rank(cfg, data_dir, out_dir, resume, estimate_path, wall_start, ranks, notes)
-    plan = plan_run(cfg, preset, out_dir, resume, estimate_path, attempt)
-    code = _refused(plan, cfg, preset, out_dir, attempt, outcome_path) if plan.refusal is not None else None
+        return _train_other_rank(job, ranks, notes)
+    plan = plan_run(job)
+    code = _refused(plan, job) if plan.refusal is not None else None
     if ranks is not None:   # the other ranks plan only after this one has settled the run folder
         distributed.from_main({"code": code} if code is not None else
                               {"code": None, "preset": plan.preset, "estimate": plan.estimate})
     if code is not None:
         return code
-    history = _settle_run_folder(plan, preset, out_dir)
-    code = Training(plan, data_dir, out_dir, wall_start, history, ranks, notes).run()
-    if code == EXIT_OK and outcome_path is not None:
-        write_json(outcome_path, {"preset": preset["name"], "status": "trained", "run": str(out_dir / "run.json")})
+    history = _settle_run_folder(plan, job)
+    code = Training(plan, job, history, ranks, notes).run()
+    if code == EXIT_OK and job.outcome_path is not None:
+        write_json(job.outcome_path, {"preset": job.preset["name"], "status": "trained",
+                                      "run": str(job.out_dir / "run.json")})
     return code
 
 
-def _train_other_rank(cfg, data_dir, out_dir, resume, estimate_path, wall_start, ranks, notes) -> int:
+def _train_other_rank(job: TrainJob, ranks, notes) -> int:
     """A rank other than 0: it waits for rank 0's verdict (refused, or the preset as planned there:
     after a downshift or an adaptation), then plans the same run without the gate (rank 0's
     verdict stands for every rank) and trains its share."""
     verdict = distributed.from_main(None)
     if verdict["code"] is not None:
         return verdict["code"]
-    plan = plan_run(cfg, verdict["preset"], out_dir, resume, estimate_path, attempt=1,
-                     gated_on_main=True, main_estimate=verdict["estimate"])
-    return Training(plan, data_dir, out_dir, wall_start, {}, ranks, notes).run()
+    plan = plan_run(replace(job, preset=verdict["preset"], attempt=1), gated_on_main=True,
+                    main_estimate=verdict["estimate"])
+    return Training(plan, job, {}, ranks, notes).run()
 
 
-def _refused(plan, cfg, preset, out_dir, attempt, outcome_path) -> int:
+def _refused(plan, job: TrainJob) -> int:
     """Record the plan's refusal; the exit code (0 when the workflow records it as an outcome)."""
+    out_dir, name, on_oversize = job.out_dir, job.preset["name"], job.cfg["on_oversize"]
     # an earlier success must not look current; it is kept, moved aside, never deleted
     move_aside(out_dir, f"refused: {plan.refusal}", names=record.FINISHED)
-    record.write_failure(out_dir, "refused", plan.refusal, preset=preset["name"], device=plan.device.type,
-                         attempt=attempt, attempted_allocation_bytes=None,
+    record.write_failure(out_dir, "refused", plan.refusal, preset=name, device=plan.device.type,
+                         attempt=job.attempt, attempted_allocation_bytes=None,
                          estimate_peak_bytes=(plan.estimate or {}).get("peak_bytes"))
     print(f"tiersep train: refused: {plan.refusal}", file=sys.stderr)
-    if outcome_path is None or cfg["on_oversize"] == "fail":
+    if job.outcome_path is None or on_oversize == "fail":
         return EXIT_REFUSED
-    write_json(outcome_path, {"preset": preset["name"], "status": "refused", "reason": plan.refusal})
-    print(f"tiersep train: recorded the refusal in {outcome_path} (on_oversize: {cfg['on_oversize']}; "
+    write_json(job.outcome_path, {"preset": name, "status": "refused", "reason": plan.refusal})
+    print(f"tiersep train: recorded the refusal in {job.outcome_path} (on_oversize: {on_oversize}; "
           "`fail` stops the run instead)", file=sys.stderr)
     return EXIT_OK
 
 
-def _settle_run_folder(plan, preset, out_dir) -> dict:
+def _settle_run_folder(plan, job: TrainJob) -> dict:
     """Before training: a new run moves the old one aside, a longer one keeps the finished model,
     a resumed one says so. Returns the history run.json records."""
+    out_dir, name = job.out_dir, job.preset["name"]
     history = {}
     if plan.resume is None:
         why = plan.not_resumed or "a new run was asked for (train without --resume)"
@@ -180,13 +180,13 @@ def _settle_run_folder(plan, preset, out_dir) -> dict:
         grown = extension(plan.resume, plan.preset)
         if grown is not None:
             kept = _keep_finished(out_dir, f"train.steps grew from {grown['steps']} to {plan.preset['train']['steps']}")
-            print(f"tiersep train: training longer: {preset['name']} continues from step {grown['step']} "
+            print(f"tiersep train: training longer: {name} continues from step {grown['step']} "
                   f"(train.steps {grown['steps']} -> {plan.preset['train']['steps']}; the lr schedule follows "
                   "the new step count from here)" + (f"; the finished model is kept in {kept}" if kept else ""),
                   file=sys.stderr)
             history["extended_from"] = list(plan.resume["run"].get("extended_from") or []) + [grown]
         else:
-            print(f"tiersep train: resuming {preset['name']} from step {plan.resume['step']} "
+            print(f"tiersep train: resuming {name} from step {plan.resume['step']} "
                   f"({out_dir / 'checkpoints'})", file=sys.stderr)
     (out_dir / "failure.json").unlink(missing_ok=True)   # superseded: this attempt trains (run.json keeps an OOM)
     return history
@@ -201,9 +201,9 @@ def _keep_finished(out_dir: Path, reason: str) -> Path | None:
 class Training:
     """One training process carrying out a RunPlan; its state is what the endings report."""
 
-    def __init__(self, plan: RunPlan, data_dir: Path, out_dir: Path, wall_start: float, history: dict,
-                 ranks: distributed.Ranks | None = None, notes: dict | None = None):
-        self.plan, self.data_dir, self.out_dir, self.wall_start = plan, data_dir, out_dir, wall_start
+    def __init__(self, plan: RunPlan, job: TrainJob, history: dict, ranks: distributed.Ranks | None = None,
+                 notes: dict | None = None):
+        self.plan, self.data_dir, self.out_dir, self.wall_start = plan, job.data_dir, job.out_dir, job.wall_start
         self.preset, self.device, self.t = plan.preset, plan.device, plan.preset["train"]
         # data-parallel: this rank's place; only rank 0 (main) writes the run folder
         self.ranks, self.notes = ranks, notes if notes is not None else {}
