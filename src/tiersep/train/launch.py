@@ -31,10 +31,10 @@ import yaml
 
 from tiersep.train import record
 from tiersep.train.distributed import LAUNCHER_ENV, LAUNCHER_HOST_ENV, RANK_STATE_ENV
+from tiersep.train.endings import EXIT_OOM, EXIT_RANK_DIED
 from tiersep.train.job import TrainJob
 from tiersep.train.oom import attempted_allocation
 
-EXIT_RANK_DIED, EXIT_OOM = 1, 4
 # torchrun passes these on to the ranks (its default list has no SIGUSR1, SLURM's warning signal;
 # without it there, SIGUSR1 would kill torchrun itself)
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
