@@ -15,7 +15,7 @@ import torch
 from conftest import one_torch_thread
 from test_train_support import make_workspace, tiny_preset
 from tiersep import config as C
-from tiersep.train import oom, sweep, trainer
+from tiersep.train import build, loop, oom, sweep, trainer
 from tiersep.train.schedule import Schedule
 from tiersep.train.step import make_optimizer, train_step
 from tiersep.train.telemetry import METRICS_FIELDS, CsvLog
@@ -136,13 +136,13 @@ def test_the_heap_is_given_back_once_the_runs_model_is_gone(ws, tmp_path, monkey
     is freed, so the library pages the exit touches take their room: the CPU booking counts those
     pages once (docs/memory.md). Called earlier, the freed model's pages would stay in the heap."""
     models, released = [], []
-    build = trainer.Training._build
+    real_build = loop.build
 
-    def spied_build(self):
-        build(self)
-        models.append(weakref.ref(self.model))
+    def spied_build(run):
+        real_build(run)
+        models.append(weakref.ref(run.model))
 
-    monkeypatch.setattr(trainer.Training, "_build", spied_build)
+    monkeypatch.setattr(loop, "build", spied_build)
     monkeypatch.setattr(trainer, "release_heap", lambda: released.append([ref() is None for ref in models]))
     assert trainer.train(ws["cfg"], tiny_preset(**{"train.steps": 2}), ws["data"], tmp_path / "run") == 0
     assert released == [[True]]
@@ -338,7 +338,7 @@ def test_compiled_training_matches_eager_and_records_the_compile(ws, tmp_path, m
     Dynamo + AOTAutograd; the aot_eager backend keeps this test to seconds, inductor's code
     generation is tested in test_model_compile), run.json records it with the compile's first-step
     time, and the weights stay close to an eager run's (same data, same seed)."""
-    monkeypatch.setenv(trainer.COMPILE_BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv(build.COMPILE_BACKEND_ENV, "aot_eager")
     steps = {"train.steps": 2, "train.validate_every": 2, "train.checkpoint_every": 2, "model.dropout": 0.0}
     eager_out, compiled_out = tmp_path / "train" / "eager", tmp_path / "train" / "compiled"
     assert trainer.train(ws["cfg"], tiny_preset(**steps), ws["data"], eager_out) == 0
@@ -362,7 +362,7 @@ def test_a_failed_compile_rechecks_the_gate_for_the_eager_step(ws, tmp_path, mon
     recorded like the gate's own (exit 3, failure.json kind refused, the compile's cause named)."""
     from tiersep import memory
 
-    monkeypatch.setenv(trainer.COMPILE_BACKEND_ENV, "no_such_backend")   # torch.compile refuses it
+    monkeypatch.setenv(build.COMPILE_BACKEND_ENV, "no_such_backend")   # torch.compile refuses it
     steps = {"train.steps": 1, "train.validate_every": 1, "train.checkpoint_every": 1, "model.dropout": 0.0,
              "train.compile": True}
     out = tmp_path / "train" / "fits"

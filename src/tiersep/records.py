@@ -2,7 +2,7 @@
 
 kind      file (writer)                                             schema
 estimate  results/vram/<preset>.json (tiersep.memory.estimate)      workflow/schemas/records/estimate.schema.yaml
-run       results/train/<preset>/run.json (trainer `_finish`)       .../run.schema.yaml
+run       results/train/<preset>/run.json (train.endings.finish)    .../run.schema.yaml
 failure   results/train/<preset>/failure.json (`_write_failure`)    .../failure.schema.yaml
 scores    results/eval/<preset>/scores.json (tiersep.evaluate)      .../scores.schema.yaml
 manifest  <prepared_dir>/<source>/<rate>/manifest.json (prepare)    .../manifest.schema.yaml

@@ -31,9 +31,10 @@ import yaml
 
 from tiersep.train import record
 from tiersep.train.distributed import LAUNCHER_ENV, LAUNCHER_HOST_ENV, RANK_STATE_ENV
+from tiersep.train.endings import EXIT_OOM, EXIT_RANK_DIED
+from tiersep.train.job import TrainJob
 from tiersep.train.oom import attempted_allocation
 
-EXIT_RANK_DIED, EXIT_OOM = 1, 4
 # torchrun passes these on to the ranks (its default list has no SIGUSR1, SLURM's warning signal;
 # without it there, SIGUSR1 would kill torchrun itself)
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -102,35 +103,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_arguments(cfg: dict, preset: dict, state: Path, data_dir: Path, out_dir: Path, resume: bool,
-                    estimate_path, attempt: int, outcome_path) -> list[str]:
+def child_arguments(job: TrainJob, state: Path) -> list[str]:
     """The ranks' `tiersep train` arguments: this process's resolved config and preset as files."""
+    cfg, preset = job.cfg, job.preset
     config_file, preset_file = state / "config.yaml", state / f"{preset['name']}.yaml"
     config_file.write_text(yaml.safe_dump({k: v for k, v in cfg.items() if not k.startswith("_")}, sort_keys=False))
     preset_file.write_text(yaml.safe_dump(preset, sort_keys=False))
-    args = ["--config", str(config_file), "--preset", str(preset_file), "--data", str(data_dir),
-            "--out", str(out_dir), "--attempt", str(attempt)]
-    if resume:
+    args = ["--config", str(config_file), "--preset", str(preset_file), "--data", str(job.data_dir),
+            "--out", str(job.out_dir), "--attempt", str(job.attempt)]
+    if job.resume:
         args.append("--resume")
-    if estimate_path is not None:
-        args += ["--estimate", str(estimate_path)]
-    if outcome_path is not None:
-        args += ["--outcome", str(outcome_path)]
+    if job.estimate_path is not None:
+        args += ["--estimate", str(job.estimate_path)]
+    if job.outcome_path is not None:
+        args += ["--outcome", str(job.outcome_path)]
     return args
 
 
-def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bool, estimate_path,
-              attempt: int, outcome_path) -> int:
+def run_ranks(job: TrainJob) -> int:
     """Run the tier's ranks under torchrun and wait for them; returns the job's exit code.
     The caller holds the run folder's lock."""
+    preset, out_dir = job.preset, job.out_dir
     ranks, nodes = preset["train"]["ranks"], preset["train"]["nodes"]
     if nodes > 1:   # seen by every node: a tiersep temporary inside the run folder
         state = Path(tempfile.mkdtemp(prefix=".ranks.", suffix=".tmp", dir=out_dir)).absolute()
     else:
         state = Path(tempfile.mkdtemp(prefix="tiersep-ranks-"))
     try:
-        child_args = child_arguments(cfg, preset, state, data_dir, out_dir, resume, estimate_path, attempt,
-                                     outcome_path)
+        child_args = child_arguments(job, state)
         env = {**os.environ, RANK_STATE_ENV: str(state), LAUNCHER_ENV: str(os.getpid()),
                "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
         # the node's cores shared between its ranks (torchrun would give each one thread)
@@ -151,7 +151,7 @@ def run_ranks(cfg: dict, preset: dict, data_dir: Path, out_dir: Path, resume: bo
                 passing.targets = lambda: [proc.pid]
             returncode = proc.wait()
             _wait_for_ranks(state, ranks)
-        return _job_exit(state, ranks, returncode, preset, out_dir, attempt, nodes)
+        return _job_exit(state, returncode, job)
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
@@ -227,9 +227,10 @@ def _wait_for_ranks(state: Path, ranks: int) -> None:
             time.sleep(0.1)
 
 
-def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: Path, attempt: int,
-              nodes: int = 1) -> int:
+def _job_exit(state: Path, returncode: int, job: TrainJob) -> int:
     """Rank 0's exit code, unless a rank died: then failure.json kind rank_died naming it."""
+    preset, out_dir, attempt = job.preset, job.out_dir, job.attempt
+    ranks, nodes = preset["train"]["ranks"], preset["train"]["nodes"]
     exits = {r: _read(state / f"rank{r}.exit") for r in range(ranks)}
     main = exits.get(0)
     if returncode == 0 and all(exits.values()):
@@ -240,7 +241,7 @@ def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: P
     failed = died or [r for r, noted in exits.items() if noted and noted["code"] != 0 and not noted.get("peer_failure")]
     out_of_memory = [r for r in failed if not died and exits[r].get("oom")]
     if out_of_memory:
-        return _rank_out_of_memory(out_of_memory[0], exits[out_of_memory[0]]["oom"], ranks, preset, out_dir, attempt)
+        return _rank_out_of_memory(out_of_memory[0], exits[out_of_memory[0]]["oom"], job)
     who = ", ".join(map(str, failed)) if failed else "unknown"
     if died:
         how = ("died (no exit code: killed, e.g. SIGKILL or the OOM killer" +
@@ -257,12 +258,13 @@ def _job_exit(state: Path, ranks: int, returncode: int, preset: dict, out_dir: P
     return EXIT_RANK_DIED
 
 
-def _rank_out_of_memory(rank: int, oom: dict, ranks: int, preset: dict, out_dir: Path, attempt: int) -> int:
+def _rank_out_of_memory(rank: int, oom: dict, job: TrainJob) -> int:
     """A rank other than 0 ran out of memory: the tier's OOM (failure.json kind oom, exit 4), so
     that the workflow's retry downshifts every rank's micro-batch (tiersep.train.oom)."""
+    preset, out_dir, ranks = job.preset, job.out_dir, job.preset["train"]["ranks"]
     first = (oom["message"].splitlines() or ["out of memory"])[0]
     record.write_failure(out_dir, "oom", first, full_message=oom["message"], preset=preset["name"], rank=rank,
-                         ranks=ranks, step=oom["step"], attempt=attempt, batch_size=oom["batch_size"],
+                         ranks=ranks, step=oom["step"], attempt=job.attempt, batch_size=oom["batch_size"],
                          grad_accum=oom["grad_accum"], precision=preset["train"]["precision"],
                          attempted_allocation_bytes=attempted_allocation(oom["message"]), estimate_peak_bytes=None,
                          memory_at_failure=oom["memory_at_failure"],

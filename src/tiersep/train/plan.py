@@ -19,6 +19,7 @@ from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_
 from tiersep.io import read_json
 from tiersep.memory.cpu_process import configure_malloc, trims_heap
 from tiersep.model.compile import compiles
+from tiersep.train.job import TrainJob
 from tiersep.train.oom import plan_micro_batch
 from tiersep.train.resume import resume_state
 from tiersep.train.telemetry import MemoryProbe
@@ -111,14 +112,14 @@ def usable_estimate(estimate_path, preset: dict, device: torch.device, allocator
     return record, None
 
 
-def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path, attempt: int,
-             gated_on_main: bool = False, main_estimate: dict | None = None) -> RunPlan:
+def plan_run(job: TrainJob, gated_on_main: bool = False, main_estimate: dict | None = None) -> RunPlan:
     """Everything decided before the run allocates anything (see module docstring).
     `gated_on_main`: a data-parallel rank other than 0 plans with rank 0's gate verdict (its
-    `main_estimate`) instead of gating again, and with the micro-batch of rank 0's plan (`preset`)."""
+    `main_estimate`) instead of gating again, and with the micro-batch of rank 0's plan (the job's preset)."""
     from tiersep.memory import DoesNotFit, gate
 
-    preset = copy.deepcopy(preset)
+    cfg, out_dir, resume, attempt = job.cfg, job.out_dir, job.resume, job.attempt
+    preset = copy.deepcopy(job.preset)
     failure_path = out_dir / "failure.json"
     previous_failure = read_json(failure_path) if failure_path.is_file() else None
     resume_warnings: list[str] = []
@@ -155,7 +156,7 @@ def plan_run(cfg: dict, preset: dict, out_dir: Path, resume: bool, estimate_path
     if plan.refusal is not None:
         return plan
     plan.budget = gate_budget(cfg, device, plan.start_free)
-    estimate, distrust = usable_estimate(estimate_path, preset, device, allocator, downshifted)
+    estimate, distrust = usable_estimate(job.estimate_path, preset, device, allocator, downshifted)
     if distrust:
         print(f"tiersep train: {distrust}", file=sys.stderr)
     margin, spec = cfg["estimate"]["safety_margin"], cfg["estimate"]["calibration"]
