@@ -203,8 +203,14 @@ class Search:
         trial = r.trial
         seconds = float(trial.user_attrs.get("train_seconds", 0.0)) + time.monotonic() - r.started
         trial.set_user_attr("train_seconds", round(seconds, 3))
-        if r.prune_step is not None and code == trial_process.EXIT_PREEMPTED:
+        trial.set_user_attr("exit_code", code)
+        if r.prune_step is not None and code != trial_process.EXIT_OK and trial_process.run_record(r.run_dir):
+            # the run had finished when the signal came (it arrived after the trainer's handler was
+            # gone, so it ended the process): the trained run stands
+            self.collect(trial, r.run_dir)
+        elif r.prune_step is not None and code in (trial_process.EXIT_PREEMPTED, -trial_process.signal.SIGUSR1):
             trial.set_user_attr("steps", trial_process.last_step(r.run_dir))
+            trial.set_user_attr("measured_peak_bytes", trial_process.measured_peak(r.run_dir))
             self.finish(trial, TrialState.PRUNED, f"pruned at step {r.prune_step}")
         elif code == trial_process.EXIT_OK:
             self.collect(trial, r.run_dir)
@@ -227,7 +233,7 @@ class Search:
     def collect(self, trial, run_dir: Path) -> None:
         """A finished run: its last validation SI-SDR is the objective; run.json gives steps and peak."""
         record = trial_process.run_record(run_dir)
-        trial.set_user_attr("measured_peak_bytes", trial_process.measured_peak(record))
+        trial.set_user_attr("measured_peak_bytes", trial_process.measured_peak(run_dir))
         trial.set_user_attr("steps", (record or {}).get("steps", trial_process.last_step(run_dir)))
         scores = trial_process.validations(run_dir)
         if not scores:
@@ -262,6 +268,7 @@ class Search:
             return
         if "prune_step" in attrs:
             trial.set_user_attr("steps", trial_process.last_step(run_dir))
+            trial.set_user_attr("measured_peak_bytes", trial_process.measured_peak(run_dir))
             self.finish(trial, TrialState.PRUNED, f"pruned at step {attrs['prune_step']}")
             return
         if "pid" in attrs and trial_process.run_record(run_dir) is not None:

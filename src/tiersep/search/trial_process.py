@@ -93,10 +93,26 @@ def run_record(run_dir: Path) -> dict | None:
         return None
 
 
-def measured_peak(record: dict | None) -> int | None:
-    if not record:
+def measured_peak(run_dir: Path) -> int | None:
+    """The run's measured peak: run.json's (device use on a GPU, RSS on a CPU) when it finished,
+    else the largest of memory.csv (a pruned or stopped run)."""
+    record = run_record(run_dir)
+    if record:
+        return record.get("peak_device_bytes") or record.get("peak_rss_bytes")
+    path = run_dir / "memory.csv"
+    if not path.is_file():
         return None
-    return record.get("peak_device_bytes") or record.get("peak_rss_bytes")
+    peak = 0
+    with open(path, newline="", errors="replace") as f:
+        try:
+            for row in csv.DictReader(f):
+                for key in ("device", "peak"):
+                    value = row.get(key) or ""
+                    if value.isdigit():
+                        peak = max(peak, int(value))
+        except csv.Error:
+            pass
+    return peak or None
 
 
 def last_log_line(log_file: Path) -> str:
