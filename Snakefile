@@ -29,6 +29,7 @@ include: "workflow/rules/fit_matrix.smk"  # what fits which GPU (fit_matrix.enab
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/separate.smk"  # a target of its own: snakemake --cores 1 separate
+include: "workflow/rules/search.smk"  # a target of its own: snakemake --cores 2 search
 include: "workflow/rules/report.smk"
 
 

@@ -86,6 +86,16 @@ def _whole_number(low: int, high: int | None, why: str):
     return parse
 
 
+def _study_name(text: str) -> str:
+    """An argparse type for --study: the schema's pattern for search.study (it names a folder)."""
+    import re
+
+    pattern = C.load_schema("config.schema.yaml")["properties"]["search"]["properties"]["study"]["pattern"]
+    if not re.match(pattern, text):
+        raise argparse.ArgumentTypeError(f"{C._short(text)}: letters, digits, _ . - only, not starting with . or -")
+    return text
+
+
 _attempt = _whole_number(1, None, "Snakemake counts attempts from 1")
 _jobs = _whole_number(1, 64, "processes")
 
@@ -365,6 +375,12 @@ def cmd_config(args, cfg):
     return 0
 
 
+def cmd_search(args, cfg):
+    from tiersep.search import run_search
+
+    return run_search(cfg, study=args.study, trials=args.trials, parallel=args.parallel, storage=args.storage)
+
+
 def cmd_report(args, cfg):
     from tiersep.report import render
 
@@ -517,6 +533,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merged", required=True, metavar="JSON", help="the merged config as JSON")
     p.add_argument("--out", required=True, help="YAML to write, e.g. results/config.yaml")
     p.set_defaults(func=cmd_config, config=None)
+
+    p = add("search", cmd_search, "Hyperparameter search over the config's `search:` space: every trial "
+            "estimated before launch (runs, runs repaired, or told infeasible without a process), each one "
+            "its own `tiersep train`, pruned early, resumable (docs/search.md).")
+    p.add_argument("--study", type=_study_name, metavar="NAME", help="study name and folder under "
+                   "results/search/ (default: search.study)")
+    p.add_argument("--trials", type=_whole_number(1, None, "trials"), metavar="N",
+                   help="trials in the study (default: search.trials)")
+    p.add_argument("--parallel", type=_whole_number(1, None, "trials at once"), metavar="P",
+                   help="trials running at once (default: search.parallel)")
+    p.add_argument("--storage", metavar="URL", help="Optuna storage: a journal file path, or an RDB URL "
+                   "such as postgresql://... (default: search.storage, else results/search/<study>/journal.log)")
 
     p = add("report", cmd_report, "Render the comparison report (index.html, report.md) from whatever "
             "results exist.")
