@@ -43,6 +43,7 @@ FILES = {
 BINARY = {
     "garbage.yaml": bytes(range(128, 256)) * 8,   # not UTF-8
     "nul.yaml": b"budget_gib: 1\x00\x01\x02\n",   # UTF-8, but control characters
+    "unclosed.yaml": b"budget_gib: 30\nseparate:\n  inputs: [a, b\n  tiers: x\n",   # a YAML syntax error
 }
 
 
@@ -82,6 +83,10 @@ CASES = [
      ["exp_segment.yaml", "audio.segment_samples", "16000.0 is not of type 'integer'"]),
     ("config-binary", estimate("--config", "{tmp}/garbage.yaml"), 2, ["garbage.yaml", "not a YAML text file"]),
     ("config-control-chars", estimate("--config", "{tmp}/nul.yaml"), 2, ["nul.yaml", "not a YAML text file"]),
+    ("config-syntax-error", estimate("--config", "{tmp}/unclosed.yaml"), 2,   # file:line:column, as an editor
+     ["unclosed.yaml:4:8: not valid YAML", "expected ',' or ']'"]),
+    ("config-check-syntax-error", ["config", "--check", "{tmp}/unclosed.yaml"], 2,   # what Snakemake cannot say
+     ["unclosed.yaml:4:8: not valid YAML"]),
     ("preset-binary", ["estimate", "--preset", "{tmp}/garbage.yaml", "--out", "{tmp}/e.json"], 2,
      ["garbage.yaml", "not a YAML text file"]),
     ("config-alias-bomb", estimate("--config", "{tmp}/bomb.yaml"), 2, ["bomb.yaml", "aliases are expanded"]),

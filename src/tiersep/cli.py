@@ -364,11 +364,23 @@ def cmd_separate(args, cfg):
 
 
 def cmd_config(args, cfg):
-    """Write the merged config the workflow's jobs read (Snakemake's config, validated again)."""
+    """--check: validate files as `snakemake --configfile` merges them (Snakemake's own message for
+    a YAML syntax error names neither file nor line). Else write the merged config the workflow's
+    jobs read (Snakemake's config, validated again)."""
     import json
 
     from tiersep.io import write_text
 
+    if args.check:
+        for file in args.check:
+            if not Path(file).is_file():
+                raise C.ConfigError(f"{file}: file not found")
+        files = ([DEFAULT_CONFIG] if Path(DEFAULT_CONFIG).is_file() else []) + list(args.check)
+        C.validate_config(C.read_config_files(files), files)
+        print(f"{' + '.join(files)}: a valid config")
+        return 0
+    if not (args.merged and args.out):
+        raise C.ConfigError("give --check FILE..., or both --merged and --out")
     merged = C.validate(json.loads(args.merged), "config.schema.yaml", "the workflow's merged config")
     C.check_config(merged)
     write_text(args.out, C.dump_preset(merged))
@@ -528,10 +540,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_schema_number("config.schema.yaml", "separate.max_batch", int), metavar="N",
                    help="the most chunks per model call (default 4)")
 
-    p = sub.add_parser("config", help="Write the merged, validated config every job reads (a workflow rule).",
-                       description="Write the merged, validated config every job reads (a workflow rule).")
-    p.add_argument("--merged", required=True, metavar="JSON", help="the merged config as JSON")
-    p.add_argument("--out", required=True, help="YAML to write, e.g. results/config.yaml")
+    p = sub.add_parser("config", help="Check your config files (--check), or write the merged, validated "
+                       "config every job reads (a workflow rule).",
+                       description="--check: validate config files merged over config/config.yaml as "
+                       "`snakemake --configfile` merges them; a bad one ends in one line naming the file, "
+                       "the line or key. --merged/--out: the workflow's rule.")
+    p.add_argument("--check", nargs="+", metavar="FILE", help="config files to check, in --configfile order")
+    p.add_argument("--merged", metavar="JSON", help="the merged config as JSON")
+    p.add_argument("--out", help="YAML to write, e.g. results/config.yaml")
     p.set_defaults(func=cmd_config, config=None)
 
     p = add("search", cmd_search, "Hyperparameter search over the config's `search:` space: every trial "

@@ -269,6 +269,11 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not a YAML text file ({err.reason} at byte {err.position})") from None
     except YamlLimitError as err:
         raise ConfigError(f"{path}: refused: {err}") from None
+    except yaml.MarkedYAMLError as err:   # name the line and column, as an editor shows them
+        mark = err.problem_mark or err.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        what = "; ".join(p for p in (err.context, err.problem) if p) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}{where}: not valid YAML ({what})") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
 
