@@ -197,14 +197,27 @@ def test_no_ffmpeg_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_musdb_sample_offline_fails_cleanly(tmp_path, monkeypatch):
-    """This machine cannot reach musdb's download host: the real download fails, and neither the
-    raw folder, nor the prepared folder, nor a temporary download folder remains."""
+    """Offline, the real download fails, and neither the raw folder, nor the prepared folder, nor a
+    temporary download folder remains. Offline is forced, whatever this machine can reach: every
+    request goes through a proxy on a local port that nothing listens on (connection refused)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:   # a free port, closed again: connecting there is refused
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, closed)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(urllib.request, "_opener", None)   # urlopen builds its opener (and proxies) anew
     monkeypatch.setattr(ingest, "DOWNLOAD_TIMEOUT_S", 5.0)  # keep it short if the network hangs
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # musdb's default download root is ~/MUSDB18
     cfg = make_cfg(tmp_path, source="musdb-sample")
     before = set(Path(tempfile.gettempdir()).glob("tiersep-musdb-sample-*"))
     with pytest.raises(DataError, match=r"musdb-sample: could not download the MUSDB18 7-second preview from "
-                                        r"https://\S+ \(.*\); it needs internet access\. Offline, use "
+                                        r"https://\S+ \(URLError: .*[Cc]onnection refused.*\); it needs internet "
+                                        r"access\. Offline, use "
                                         r"data.source: synthetic .* MUSDB18-HQ"):
         prepare(cfg, Path(cfg["data"]["prepared_dir"]) / "musdb-sample" / "8000", 8000, progress=False)
     assert not (tmp_path / "data").exists()

@@ -250,9 +250,7 @@ def test_a_rank_killed_stops_the_others_with_rank_died_naming_it(ws, tmp_path):
     proc = train(ws, out, "--set", "train.steps=400", "--set", "train.ranks=2", wait=False)
     wait_for_rows(proc, out, 3)
     os.kill(rank_pid(proc, 1), signal.SIGKILL)
-    killed = time.time()
-    code = proc.wait(timeout=60)
-    assert time.time() - killed < 60
+    code = proc.wait(timeout=60)   # raises if the other rank trained on: the check that it stopped
     assert code == 1, Path(str(out) + ".log").read_text()[-3000:]
     failure = json.loads((out / "failure.json").read_text())
     assert failure["kind"] == "rank_died" and failure["rank"] == 1, failure

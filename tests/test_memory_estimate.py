@@ -35,8 +35,19 @@ def test_record_fields_and_breakdown(method, device):
     record = estimate(tiny(), method=method, device=device, budget_bytes=None)
     assert REQUIRED <= set(record)
     assert record["fits"] is None and record["margin_bytes"] is None
-    assert sum(record["breakdown"].values()) == record["peak_bytes"]
     assert all(v >= 0 for v in record["breakdown"].values())
+    # overhead is peak minus the tensors by definition, so check it against its parts instead
+    live = sum(v for k, v in record["breakdown"].items() if k != "overhead")
+    overhead = record["breakdown"]["overhead"]
+    if device == "cuda":   # the calibration's CUDA context, plus the allocator's reserve above the tensors
+        context = record["calibration"]["context_bytes"]
+        assert overhead == context + record["reserved_peak_bytes"] - live
+        if method == "trace":
+            detail = record["overhead_detail"]
+            assert detail["cuda_context"] == context and detail["allocator_cache"] >= 0
+            assert sum(detail.values()) == overhead
+    else:   # no context on a CPU: the peak is the allocated peak, every byte of it a tensor
+        assert overhead == 0 and live == record["peak_bytes"] == record["allocated_peak_bytes"]
     assert record["method"] == method and record["device"] == device
     json.dumps(record)   # serialisable as is
     if device == "cuda":   # the torch counters' predictions sit below the whole-process peak

@@ -97,13 +97,22 @@ def test_every_preset_compiles_as_one_graph(name):
 
 @pytest.mark.slow
 def test_new_segment_length_recompiles_with_symbolic_shapes():
-    """A second length makes Dynamo recompile with a symbolic length: still one graph, same values."""
+    """A second length makes Dynamo recompile once with a symbolic length, which serves the third
+    length too: two graphs in all (counted), each whole (fullgraph), the same values as eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
     model = tiny_model().eval()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
     with torch.no_grad():
         for length in (1024, 1000, 777):
             mixture, _ = batch(length)
             torch.testing.assert_close(compiled(mixture), model(mixture), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 2
+    symbolic = [node.meta["example_value"].shape for node in counter.graphs[1].graph.nodes
+                if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)]
+    assert any(isinstance(size, torch.SymInt) for shape in symbolic for size in shape)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -500,7 +500,9 @@ def test_fixture_scores_follow_the_evaluation_schema():
     """Keeps the fixture honest: its scores.json files pass the evaluator's own schema."""
     from tiersep.evaluate.schema import validate_scores
 
-    for path in sorted((RESULTS / "eval").glob("*/scores.json")):
+    paths = sorted((RESULTS / "eval").glob("*/scores.json"))
+    assert paths, RESULTS / "eval"   # an empty glob would check nothing
+    for path in paths:
         validate_scores(read_json(path), path)
 
 
