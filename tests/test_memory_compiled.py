@@ -17,8 +17,11 @@ from tiersep.model import build_model
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "compiled_estimate.py"
 # bench/results/compiled_estimate_cpu.md: the compiled estimate was within -0.02%..+0.00% of real
-# inductor CPU steps without checkpointing, accumulation included; 5% leaves room for another torch.
-TOLERANCE = 0.05
+# inductor CPU steps (torch's profiler) without checkpointing, accumulation included; this test's two
+# presets read -0.011% and -0.009% (2026-11-26). torch is pinned, so 0.1% is five times the spread.
+TOLERANCE = 0.001
+# The eager estimate was 31-59% over the same steps: 5% over is enough to show compiling matters.
+EAGER_OVER = 0.05
 
 
 def _saved_bytes_eager(model, x) -> int:
@@ -175,8 +178,8 @@ def test_compiled_estimate_matches_a_real_inductor_cpu_step(grad_accum):
     measured, _ = bench.measure_peak(preset, compiled=True)
     predicted = bench.estimate_peak(preset, compiled=True)
     eager = bench.estimate_peak(preset, compiled=False)
-    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
-    assert eager > (1 + TOLERANCE) * measured      # the eager figure would not pass: compiling matters
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured, predicted / measured - 1)
+    assert eager > (1 + EAGER_OVER) * measured      # the eager figure would not pass: compiling matters
 
 
 def test_many_compiled_traces_in_one_process_do_not_hit_dynamos_recompile_limit():
