@@ -129,7 +129,7 @@ def test_numbers_are_formatted_from_the_results(rendered):
                 format_rate(run["steps_per_s"] * run["batch_size"] * run["grad_accum"]),   # samples/s
                 format_db(scores["overall"]["si_sdr"]), format_db(scores["overall"]["sdr"]),
                 format_db(scores["overall"]["si_sdr_improvement"]), format_int(est["parameters"]),
-                "fp32", "fits"]
+                "fp32", "fits RAM", "flash (CPU)"]   # issue 32: what the budget is, and a CPU kernel
     for text in expected:
         assert text in row, f"{text!r} not in {row}"
     # the formats themselves: binary units, signed percentages, thousands separators
@@ -337,7 +337,7 @@ def test_run_facts(rendered):
     assert "cuda:0 (NVIDIA H100 80GB HBM3)" in page and f"torch {run['versions']['torch']}" in page
     for tier in ("test_tiny", "test_tiny--batch_size4"):  # every job's own process, on the record
         record = read_json(RESULTS / "train" / tier / ("run.json" if tier == "test_tiny" else "failure.json"))
-        assert format_int(record["pid"]) in cells(row_html(page, "devices", tier))
+        assert str(record["pid"]) in cells(row_html(page, "devices", tier))   # an id: no thousands separator
     manifest_path = next((FIXTURES / "report" / "prepared").glob("*/*/manifest.json"))
     manifest = read_json(manifest_path)
     counts = ", ".join(f"{split} {len(names)} ({sum(t['samples'] for t in manifest['tracks'] if t['split'] == split) / manifest['sample_rate']:.0f} s)"
@@ -717,3 +717,42 @@ def test_page_renders_in_headless_chromium(rendered, tmp_path):
         box = (int(image["left"]), int(image["top"]), int(image["left"] + image["shown"]), int(image["bottom"]))
         region = screenshot.crop(box).convert("L")
         assert ImageStat.Stat(region).stddev[0] > 10 and len(region.getcolors(1 << 16) or []) > 20, box
+
+
+def test_the_page_reads_right_the_first_time(rendered):
+    """Issue 32 (a new user's first read): the header names the results folder once, the toy nature
+    of synthetic-set tiers is said before the first table, malloc settings are words, and a CPU
+    tier's attention is torch's CPU kernel."""
+    _out, page, md = rendered
+    header = page.split("<header>", 1)[1].split("</header>", 1)[0]
+    assert "results results" not in header and f"results folder {RESULTS}" in html.unescape(header)
+    note = page.split('id="data-note">', 1)[1].split("</p>", 1)[0]
+    assert page.index('id="data-note"') < page.index('<table id="tiers">')
+    assert "embedded synthetic set" in note and "not the quality a tier reaches on real music" in note
+    assert re.search(r"\(\d+ s at \d+ Hz of training audio\)", note), note
+    assert "embedded synthetic set" in md.split("## Tiers", 1)[0]
+    conditions = page.split('<table id="conditions">', 1)[1].split("</table>", 1)[0]
+    assert "applied=" not in conditions and "reason=" not in conditions
+    assert "glibc" in conditions or "tuned" in conditions
+    row = cells(row_html(page, "tiers", "test_tiny"))   # trained on this CPU
+    assert any(c.endswith("(CPU)") for c in row), row
+
+
+def test_the_quality_plot_spreads_two_close_tiers_over_several_ticks():
+    """Two CPU tiers 14 % apart got one tick on a log axis and a mixture line that stretched the plot."""
+    from tiersep.report.plots import _pyplot, _quality_x_axis
+
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    peaks = [1.02 * 2**30, 1.16 * 2**30]
+    _quality_x_axis(ax, peaks)
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    labels = {ax.xaxis.get_major_formatter()(t, 0) for t in ticks}
+    assert ax.get_xscale() == "linear" and len(ticks) >= 3 and len(labels) == len(ticks)
+    assert low < peaks[0] and peaks[1] < high
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    _quality_x_axis(ax, [50 * 2**20, 20 * 2**30])   # a wide range stays logarithmic
+    assert ax.get_xscale() == "log"
+    plt.close(fig)

@@ -430,6 +430,8 @@ def manifest_summary(path: Path, manifest: dict) -> dict:
     elif isinstance(manifest.get("splits"), dict):
         for split, names in manifest["splits"].items():
             counts[str(split)] = len(names) if isinstance(names, (list, dict)) else int(names)
+    if "train" in seconds:
+        summary["train_seconds"] = seconds["train"]
     if counts:
         summary["tracks"] = ", ".join(
             f"{split} {n}" + (f" ({seconds[split]:.0f} s)" if split in seconds else "")

@@ -31,6 +31,7 @@ class Figure:
 class Page:
     title: str
     subtitle: str
+    data_note: str
     cards: list[Card]
     tiers: Table
     memory: Table
@@ -49,6 +50,19 @@ class Page:
     protocols: list[str]
 
 
+def data_note(collected: Collected) -> str:
+    """Said at the top, not only in the datasets table: tiers trained on the embedded synthetic set
+    are toys that show the pipeline, not what a tier reaches on music."""
+    synthetic = [d for d in collected.facts.get("datasets", []) if d.get("source") == "synthetic"]
+    if not synthetic:
+        return ""
+    seconds = sorted({f"{d['train_seconds']:.0f} s at {d['sample_rate']} Hz" for d in synthetic
+                      if d.get("train_seconds") and d.get("sample_rate")})
+    amount = f" ({' and '.join(seconds)} of training audio)" if seconds else ""
+    return (f"Trained on the embedded synthetic set{amount}: these tiers show the pipeline at work, not "
+            "the quality a tier reaches on real music (see docs/data.md for MUSDB18).")
+
+
 def build_page(collected: Collected, figures: list[Figure]) -> Page:
     tiers = collected.tiers
     facts = collected.facts
@@ -56,7 +70,9 @@ def build_page(collected: Collected, figures: list[Figure]) -> Page:
     fit_rows = {row["tier"]: row_anchor(row["tier"]) for row in (collected.fit_matrix or {}).get("tiers", [])}
     return Page(
         title=f"tiersep report: {len(tiers)} tiers",
-        subtitle=f"config {facts['config_hash']} · commit {facts['git_commit']} · results {facts['results_dir']}",
+        subtitle=f"config {facts['config_hash']} · commit {facts['git_commit']} · results folder "
+                 f"{facts['results_dir']}",
+        data_note=data_note(collected),
         cards=cards(tiers), tiers=tiers_table(tiers), memory=memory_table(tiers),
         conditions=conditions_table(tiers), failures=failures_table(collected), quality=quality_table(tiers),
         frames=frames_table(tiers), listen=listen_section(tiers), estimates=estimates_table(tiers, fit_rows),

@@ -176,10 +176,33 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
+def _quality_x_axis(ax, xs: list[float]) -> None:
+    """Peak memory across: log-scaled with power-of-two ticks over a wide range, linear with about
+    five labelled ticks over a narrow one (two CPU tiers a few percent apart got a single tick)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    low, high = min(xs), max(xs)
+    if high / low >= 4:
+        ax.set_xscale("log")
+        _bytes_axis(ax.xaxis, [low / 1.5, high * 1.5])
+        ax.set_xlim(low / 1.5, high * 1.5)
+        ax.set_xlabel("peak memory (log scale)")
+        return
+    pad = max((high - low) * 0.25, high * 0.05)
+    ax.set_xlim(max(low - pad, 0), high + pad)
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_bytes(v)))
+    ax.set_xlabel("peak memory")
+
+
 def plot_quality(tiers: list[Tier], colors: dict[str, str]) -> bytes:
+    """SI-SDR improvement over the mixture against peak memory. The improvement, not the raw SI-SDR:
+    the mixture's level is then 0, a baseline that sits beside the points instead of stretching the
+    axis far below them."""
     title = "Quality vs peak memory (Pareto view: up and left is better)"
     peaks = {t.name: memory.measured_peak(t)[0] for t in tiers}
-    shown = [t for t in tiers if t.overall_si_sdr is not None and (peaks[t.name] or t.estimated_peak)]
+    gains = {t.name: t.overall("si_sdr_improvement") for t in tiers}
+    shown = [t for t in tiers if gains[t.name] is not None and (peaks[t.name] or t.estimated_peak)]
     if not shown:
         return _empty(title, "No evaluated tier yet.")
     plt = _pyplot()
@@ -188,24 +211,22 @@ def plot_quality(tiers: list[Tier], colors: dict[str, str]) -> bytes:
     for tier in shown:
         measured = peaks[tier.name] is not None
         x = peaks[tier.name] if measured else tier.estimated_peak
-        y = tier.overall_si_sdr
+        y = gains[tier.name]
         points.append((x, y))
         marker = ("s" if tier.measured_device_type == "cpu" else "o") if measured else "D"
         ax.scatter([x], [y], s=60, marker=marker, color=colors[tier.name],
                    facecolors=colors[tier.name] if measured else "none", zorder=3)
-        ax.annotate(tier.name, (x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
+        ax.annotate(f"{tier.name}\n{y:+.1f} dB, {format_bytes(x)}", (x, y), xytext=(6, 4),
+                    textcoords="offset points", fontsize=8)
     front = pareto_front(points)
     fx, fy = zip(*[points[i] for i in front])
     ax.step(fx, fy, where="post", color="#888888", linestyle="--", linewidth=1, zorder=1,
             label="Pareto front")
-    mixture = [t.scores["overall"].get("si_sdr_mixture") for t in shown]
-    mixture = [m for m in mixture if m is not None]
-    if mixture:
-        ax.axhline(float(np.mean(mixture)), color="#bbbbbb", linestyle=":", label="mixture (no separation)")
-    ax.set_xscale("log")
-    xs = [p[0] for p in points]
-    _bytes_axis(ax.xaxis, [min(xs) / 1.5, max(xs) * 1.5])
-    ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
+    ax.axhline(0.0, color="#bbbbbb", linestyle=":", label="the mixture (no separation)")
+    ys = [p[1] for p in points] + [0.0]
+    span = max(ys) - min(ys) or 1.0
+    ax.set_ylim(min(ys) - 0.15 * span, max(ys) + 0.3 * span)   # room above for the labels
+    _quality_x_axis(ax, [p[0] for p in points])
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], marker="o", linestyle="", color="#555555", label="measured on CUDA (device use)"),
@@ -214,8 +235,7 @@ def plot_quality(tiers: list[Tier], colors: dict[str, str]) -> bytes:
                       label="estimate (not measured)")]
     handles += ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=7, loc="lower right")
-    ax.set_xlabel("peak memory (log scale)")
-    ax.set_ylabel("SI-SDR, mean of stems (dB)")
+    ax.set_ylabel("SI-SDR improvement over the mixture,\nmean of stems (dB)")
     ax.set_title(title)
     return _png(fig)
 

@@ -17,6 +17,14 @@ def _estimate_field(key: str, fmt: Callable = str) -> Callable[[Tier], str]:
     return cell
 
 
+def _attention_modelled(tier: Tier) -> str:
+    """The kernel the estimate modelled; on a CPU estimate, torch's CPU kernel of that name."""
+    value = (tier.estimate or {}).get("attention_backend")
+    if value is None:
+        return MISSING
+    return f"{value} (CPU)" if tier.estimate.get("device") == "cpu" else str(value)
+
+
 def _method(tier: Tier) -> str:
     """e.g. "trace (cuda, compiled)": how the estimate was made, and for which step."""
     if not tier.estimate:
@@ -69,14 +77,14 @@ def _ranks(tier: Tier) -> str:
 HYPHENATED = {"activations": "acti\u00advations", "optimizer": "opti\u00admizer", "gradients": "gradi\u00adents"}
 ESTIMATE_COLUMNS = [
     Column("Estimate", "Method (device)", _method, numeric=False),
-    Column("Estimate", "Atten\u00adtion modelled", _estimate_field("attention_backend"), numeric=False),
+    Column("Estimate", "Atten\u00adtion modelled", _attention_modelled, numeric=False),
     Column("Estimate", "Device model", _device_model, numeric=False, optional=True),
     Column("Estimate", "Ranks", _ranks, numeric=False, optional=True),
     *[Column("Breakdown", HYPHENATED.get(key, key),
              lambda t, key=key: format_bytes(((t.estimate or {}).get("breakdown") or {}).get(key)))
       for key in BREAKDOWN_KEYS],
-    Column("Peak", "Estimated peak", lambda t: format_bytes(t.estimated_peak)),
-    Column("Peak", "Gate books", _estimate_field("gate_required_bytes", format_bytes), optional=True),
+    Column("Peak", "Predicted peak", lambda t: format_bytes(t.estimated_peak)),
+    Column("Peak", "Booked by the gate", _estimate_field("gate_required_bytes", format_bytes), optional=True),
     Column("Peak", "Largest allo\u00adcation", _estimate_field("largest_allocation_bytes", format_bytes)),
     Column("Peak", "Uncer\u00adtainty", _uncertainty, numeric=False),
     Column("Budget", "Budget", lambda t: format_bytes((t.estimate or {}).get("budget_bytes"))
@@ -96,4 +104,14 @@ def estimates_table(tiers: list[Tier], fit_rows: dict[str, str] | None = None) -
         if verdict is not None and row.key in (fit_rows or {}) and row.cells[verdict].text == "does not fit":
             row.cells[verdict].href = "#" + fit_rows[row.key]
             row.cells[verdict].title = "what would fit: this tier's row in What fits which GPU"
+    if table.rows:
+        table.notes.append(NAMES_NOTE)
     return table
+
+
+# One name for each quantity, the same in every table (issue 32: "estimated" named three figures).
+NAMES_NOTE = ("Predicted peak: the estimate's own figure, the device use of a CUDA step, the live tensor bytes "
+              "of a CPU step. Booked by the gate: what the fit gate reserves against the budget when this "
+              "estimate was made (on CUDA the predicted peak x (1 + its uncertainty); on CPU the whole "
+              "process's resident set). A train job books again on its own machine: the tiers table's Estimate "
+              "is that booking on CPU and the predicted device use on CUDA, each beside its measurement.")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tiersep.report.collect import Collected
 from tiersep.report.sections.table import Column, Table, make_table
-from tiersep.report.units import MISSING, format_bytes, format_int
+from tiersep.report.units import MISSING, format_bytes
 
 
 def budget_bytes(collected: Collected) -> float | None:
@@ -33,7 +33,8 @@ def _text_columns(keys: list[str]) -> list[Column]:
 
 def devices_table(collected: Collected) -> Table:
     rows = [{"tier": d["tier"], "Device": d["device"], "Host": d.get("host") or MISSING,
-             "PID": format_int(d.get("pid")), "SLURM job": str(d.get("slurm_job_id") or MISSING),
+             "PID": str(d["pid"]) if d.get("pid") is not None else MISSING,   # an id, not a quantity
+             "SLURM job": str(d.get("slurm_job_id") or MISSING),
              "Free at start": format_bytes(d.get("start_free_bytes"))} for d in collected.facts["devices"]]
     return make_table("devices", "Tier", _text_columns(["Device", "Host", "PID", "SLURM job", "Free at start"]),
                       rows, key=lambda r: r["tier"], empty="No tier has run yet.", split_markdown=False)

@@ -52,7 +52,7 @@ def failures_table(collected: Collected) -> Table:
                numeric=False),
         Column("", "Micro-batch", lambda f: format_int(f.value("batch_size", lambda t: t.batch[0]))),
         Column("", "Attempted allocation", lambda f: format_bytes(f.value("attempted_allocation_bytes"))),
-        Column("", "Estimated peak", lambda f: format_bytes(f.value("estimate_peak_bytes", lambda t: t.estimated_peak))),
+        Column("", "Predicted peak", lambda f: format_bytes(f.value("estimate_peak_bytes", lambda t: t.estimated_peak))),
         Column("", "Free at start", lambda f: format_bytes(f.value("start_free_bytes"))),
     ]
     return make_table("failures", "Tier", columns, failures(collected),

@@ -69,6 +69,19 @@ def _settings(value) -> str:
     return ", ".join(f"{k}={v}" for k, v in value.items())
 
 
+def malloc_cell(malloc) -> Cell:
+    """The host malloc a CPU run used, in words; the gate's reason on hover (run.json `malloc`)."""
+    if not isinstance(malloc, dict) or not malloc:
+        return Cell(MISSING, css="na")
+    if malloc.get("applied"):
+        words = "tuned (mmap threshold set)"
+    else:
+        words = "glibc's own" if malloc.get("allocator") == "glibc" else str(malloc.get("allocator") or "default")
+    if malloc.get("trim_heap"):
+        words += ", heap trimmed per block"
+    return Cell(words, title=str(malloc.get("reason") or ""))
+
+
 def conditions_table(tiers: list[Tier]) -> Table:
     """How each trained tier ran: the free memory it started with (flagged when well below the
     run's best start), the process's own RSS at start (CPU), compile state, allocator and malloc
@@ -91,7 +104,7 @@ def conditions_table(tiers: list[Tier]) -> Table:
                Column("", "Compile", lambda t: _compile(t.run or {}), numeric=False, optional=True),
                Column("", "Allocator", lambda t: _settings((t.run or {}).get("allocator")), numeric=False,
                       optional=True),
-               Column("", "malloc", lambda t: _settings((t.run or {}).get("malloc")), numeric=False, optional=True),
+               Column("", "malloc", lambda t: malloc_cell((t.run or {}).get("malloc")), numeric=False, optional=True),
                Column("", "CUDA context", lambda t: format_bytes((t.run or {}).get("context_bytes")), optional=True)]
     return make_table("conditions", "Tier", columns, trained, key=lambda t: t.name, status=lambda t: t.status,
                       row_css=lambda t: "flagged" if t.name in shortfalls else "",

@@ -20,7 +20,9 @@ def _status(tier: Tier) -> Cell:
     return Cell(tier.status_text, badge=f"status status-{tier.status}")
 
 
-def fits_cell(tier: Tier) -> Cell:
+def fits_cell(tier: Tier, say_budget: bool = False) -> Cell:
+    """The estimate's verdict. `say_budget`: name what it was judged against (the tiers table has
+    no budget column beside it)."""
     if tier.failure and tier.failure.get("kind") == "refused":
         return Cell("refused", css="fits-no")
     if tier.estimate is None:
@@ -28,7 +30,20 @@ def fits_cell(tier: Tier) -> Cell:
     fits = tier.estimate.get("fits")
     if fits is None:
         return Cell("no budget", css="na")
-    return Cell("fits", css="fits-yes") if fits else Cell("does not fit", css="fits-no")
+    # a CPU estimate is judged against the available RAM, a CUDA one against the GPU budget
+    what = (" RAM" if tier.estimate.get("device") == "cpu" else " GPU budget") if say_budget else ""
+    title = f"budget {format_bytes(tier.estimate.get('budget_bytes'))}"
+    return (Cell(f"fits{what}", css="fits-yes", title=title) if fits
+            else Cell(f"does not fit{what}", css="fits-no", title=title))
+
+
+def attention_text(tier: Tier) -> str:
+    """The attention kernel; on a CPU, torch's CPU kernel of that name (no GPU kernel ran)."""
+    backend = tier.attention_backend
+    if not backend:
+        return MISSING
+    device = tier.measured_device_type or (tier.estimate or {}).get("device")
+    return f"{backend} (CPU)" if device == "cpu" else backend
 
 
 def _estimated(tier: Tier) -> Cell:
@@ -84,16 +99,16 @@ TIER_COLUMNS = [
     Column("Configuration", "Batch × accum.",
            lambda t: MISSING if t.batch[0] is None else f"{t.batch[0]} × {t.batch[1]}"),
     Column("Configuration", "Preci\u00adsion", lambda t: t.setting("train", "precision") or MISSING, numeric=False),
-    Column("Configuration", "Atten\u00adtion", lambda t: t.attention_backend or MISSING, numeric=False),
+    Column("Configuration", "Atten\u00adtion", attention_text, numeric=False),
     Column("Configuration", "Check\u00adpointing", lambda t: yes_no(t.setting("model", "checkpointing")),
            numeric=False),
     Column("Configuration", "Adapted to budget", _adapted, numeric=False, optional=True),  # on_oversize: adapt
     # data-parallel tiers: the column is left out when every tier is one process
     Column("Configuration", "Ranks", lambda t: str(t.ranks) if t.ranks > 1 else MISSING, optional=True),
-    Column("Memory", "Estimated peak", _estimated),
-    Column("Memory", "Measured peak", _measured),
+    Column("Memory", "Estimate", _estimated),
+    Column("Memory", "Measured", _measured),
     Column("Memory", "Estimate error", _headline_error),
-    Column("Memory", "Fits budget", fits_cell, numeric=False),
+    Column("Memory", "Fits budget", lambda t: fits_cell(t, say_budget=True), numeric=False),
     Column("Training", "Steps", lambda t: format_int(t.steps)),
     Column("Training", "Wall time", lambda t: format_duration(t.wall_seconds)),
     Column("Training", "Samples/s", lambda t: format_rate(t.samples_per_s)),  # steps/s x effective batch
