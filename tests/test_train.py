@@ -123,10 +123,21 @@ def test_trainer_with_accumulation_matches_the_large_batch(ws, tmp_path):
         logged[(micro, accum)] = [(float(r["loss"]), float(r["grad_norm"])) for r in read_csv(out / "metrics.csv")]
     lr = preset["train"]["lr"]
     for other in ((2, 2), (1, 4)):
-        # Same loss and gradient norm at every step (a scaling bug in the split shows here)...
+        # Same loss and gradient norm at every step (a scaling bug in the split shows here: it puts
+        # both >= 50 % off, a factor 2 or 1/2 or more)...
+        # The gradient norm is compared to 1 %, not closer: float32 rounding decides the sign of an
+        # L1 term whose error lies within rounding of zero, and one flipped sign of the N = 64000
+        # moves the gradient by 2/N * d(estimate)/d(weight). Measured on an Intel Xeon (AVX-512,
+        # oneDNN), 2026-11-26: after step 1 the splits' weights differ in the last bits (at most 4e-7:
+        # the micro-batches' gradients summed in another order), and at step 2 one split's estimate
+        # of a silent stem's sample came out +6.5e-10 where the 4 x 1 run's was -5.0e-9 and float64
+        # gives -1.7e-8: that split's grad_norm 0.12 % off at step 2 and 0.29 % at step 3, while the
+        # loss stays within 1.1e-6 and the 4 x 1 norm within 2e-5 of a float64 step. 1 % is 3x that
+        # spread and 50x below a scaling bug.
         for (loss, norm), (loss4, norm4) in zip(logged[other], logged[(4, 1)]):
-            assert loss == pytest.approx(loss4, rel=1e-4) and norm == pytest.approx(norm4, rel=1e-3)
-        # ...and the same weights, to a fraction of one Adam update per step.
+            assert loss == pytest.approx(loss4, rel=1e-4) and norm == pytest.approx(norm4, rel=1e-2)
+        # ...and the same weights, to a fraction of one Adam update per step (measured with the
+        # flipped sign above: 0.06 lr).
         for key, value in weights[(4, 1)].items():
             torch.testing.assert_close(weights[other][key], value, rtol=0, atol=0.15 * lr)
 
