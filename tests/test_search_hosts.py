@@ -189,7 +189,7 @@ def test_the_slurm_test_cluster_runs_a_four_trial_study_with_each_trial_a_slurm_
     base = yaml.safe_load(open(CPU_TINY_FILE))
     base.update(name="search_base")
     base["audio"]["segment_samples"] = 4000
-    base["train"].update(BASE_TRAIN)
+    base["train"].update(BASE_TRAIN, device="cpu")   # a CPU study: its trial jobs hold no GPU
     (workdir / "tests" / "configs" / "presets" / "search_base.yaml").write_text(yaml.safe_dump(base))
     config = yaml.safe_load(TINY_CONFIG.read_text())
     config["search"] = {"preset": "search_base", "trials": 4, "budget_gib": 4, "study": "slurm", "storage": postgres,
@@ -199,9 +199,9 @@ def test_the_slurm_test_cluster_runs_a_four_trial_study_with_each_trial_a_slurm_
     started = time.monotonic()
     # two trial jobs at once on the 2-CPU node (one thread each); the profile as users get it, with
     # a 2 s first status check and SLURM's logs kept for the test
-    proc = run_snakemake(workdir, "--profile", str(workdir / "profiles" / "slurm"), "--configfile", "search.yaml",
-                         "--slurm-init-seconds-before-status-checks", "2", "--slurm-keep-successful-logs",
-                         "--set-threads", "search_trial=1", "search_jobs", timeout=900,
+    proc = run_snakemake(workdir, "--set-threads", "search_trial=1", "--profile", str(workdir / "profiles" / "slurm"),
+                         "--configfile", "search.yaml", "--slurm-init-seconds-before-status-checks", "2",
+                         "--slurm-keep-successful-logs", "search_jobs", timeout=900,
                          env={**slurm_cluster, "OMP_NUM_THREADS": "1",
                               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
     print(f"4-trial study on the test SLURM cluster: {time.monotonic() - started:.1f} s")

@@ -92,12 +92,16 @@ class Search:
                 self.study = open_study(self.search, self.base, self.dims, self.folder, self.source,
                                         self.storage_url)
             self.owner = owners.me()
+            self.heart = owners.Heartbeat(self.search["heartbeat_seconds"] / 3)
+            self.heart.start()
             self.say(f"study {self.search['study']}: {self.total} trials, {self.search['sampler']} sampler, "
                      f"{self.search['pruner'] if self.prunes else 'no'} pruner, budget {self.budget / GIB:.2f} "
                      f"GiB ({self.device}), {self.search['parallel']} at once"
                      f"{', one trial in this process' if self.single else ''}; storage in {self.folder}")
             self.loop()
         finally:
+            if hasattr(self, "heart"):
+                self.heart.stop()
             self.lock.close()
         self.write_outputs()
         return 0
@@ -105,8 +109,7 @@ class Search:
     def loop(self) -> None:
         """Run trials until the study holds `trials` of them; with other orchestrators on the same
         study, wait for theirs too and take over any they abandon (owners.py)."""
-        every = self.search["heartbeat_seconds"] / 3
-        beaten = checked = -math.inf
+        every, checked = self.search["heartbeat_seconds"] / 3, -math.inf
         while True:
             if time.monotonic() - checked >= every:
                 self.take_over()
@@ -119,10 +122,6 @@ class Search:
                     break
                 if running == 0 and counted >= self.total:
                     break
-            if time.monotonic() - beaten >= every:
-                for r in self.running.values():
-                    owners.beat(r.trial)
-                beaten = time.monotonic()
             for number in list(self.running):
                 self.poll(self.running[number])
             time.sleep(self.search["poll_seconds"])
@@ -150,6 +149,7 @@ class Search:
             reseed(self.study, self.search, self.dims, self.source)
             trial = self.study.ask({k: d.distribution() for k, d in self.dims.items()})
             owners.claim(trial, self.owner)
+        self.heart.add(trial)
         self.start_trial(trial)
         return True
 
@@ -163,7 +163,9 @@ class Search:
                     continue
                 why = owners.abandoned(frozen.user_attrs, self.owner, self.search["heartbeat_seconds"])
                 if why is not None:
-                    owners.claim(optuna.trial.Trial(self.study, frozen._trial_id), self.owner)
+                    trial = optuna.trial.Trial(self.study, frozen._trial_id)
+                    owners.claim(trial, self.owner)
+                    self.heart.add(trial)
                     taken.append((frozen, why))
         for frozen, why in taken:
             self.say(f"trial {frozen.number}: taking it over: {why}")
@@ -321,7 +323,8 @@ class Search:
         trial = optuna.trial.Trial(self.study, frozen._trial_id)
         attrs = frozen.user_attrs
         # a trial process lives on its orchestrator's host (elsewhere: it got SIGUSR1 when that one died)
-        if "pid" in attrs and owners.same_host(attrs) and not trial_process.wait_gone(attrs["pid"], attrs.get("pid_started")):
+        if ("pid" in attrs and owners.same_host(attrs)
+                and not trial_process.wait_gone(attrs["pid"], attrs.get("pid_started"))):
             self.finish(trial, TrialState.FAIL, f"its process {attrs['pid']} from before the restart did not stop")
             return
         run_dir = self.paths(frozen.number)[0]

@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -72,7 +73,40 @@ def abandoned(attrs: dict, owner: dict, timeout: float, now: float | None = None
 
 
 def same_host(attrs: dict) -> bool:
-    return attrs.get("owner_host") == socket.gethostname()
+    """Whether a trial's processes ran on this host (a trial from before owners were recorded did)."""
+    return attrs.get("owner_host", socket.gethostname()) == socket.gethostname()
+
+
+class Heartbeat(threading.Thread):
+    """Refreshes the heartbeat of every trial this orchestrator owns, every `every` seconds, from a
+    thread (as Optuna's own heartbeat does): a long data preparation or a wait for an old process
+    must not make a live owner look gone. A trial that has ended drops out."""
+
+    def __init__(self, every: float):
+        super().__init__(daemon=True, name="tiersep-search-heartbeat")
+        self.every, self.stopped, self.guard = every, threading.Event(), threading.Lock()
+        self.trials: dict[int, object] = {}   # trial id -> its storage
+
+    def add(self, trial: optuna.trial.Trial) -> None:
+        with self.guard:
+            self.trials[trial._trial_id] = trial.storage
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every):
+            with self.guard:
+                owned = list(self.trials.items())
+            for trial_id, storage in owned:
+                try:
+                    storage.set_trial_user_attr(trial_id, "heartbeat", time.time())
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    with self.guard:
+                        self.trials.pop(trial_id, None)
+                except Exception:   # a storage hiccup: the next beat tries again
+                    pass
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=30)
 
 
 class StudyLock:
