@@ -41,9 +41,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 system-deps:
 	@sh workflow/scripts/system-deps.sh ffmpeg
 
-# The report test drives a real headless Chromium; the cluster test starts a real SLURM.
+# The report test drives a real headless Chromium; the cluster test starts a real SLURM; the
+# many-host search test starts a real PostgreSQL server.
 test-system-deps:
-	@sh workflow/scripts/system-deps.sh ffmpeg chromium slurm
+	@sh workflow/scripts/system-deps.sh ffmpeg chromium slurm postgresql
 
 clean:
 	rm -rf results logs benchmarks .snakemake data/prepared

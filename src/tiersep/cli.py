@@ -390,7 +390,8 @@ def cmd_config(args, cfg):
 def cmd_search(args, cfg):
     from tiersep.search import run_search
 
-    return run_search(cfg, study=args.study, trials=args.trials, parallel=args.parallel, storage=args.storage)
+    return run_search(cfg, study=args.study, trials=args.trials, parallel=args.parallel, storage=args.storage,
+                      single=args.single_trial)
 
 
 def cmd_report(args, cfg):
@@ -561,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trials running at once (default: search.parallel)")
     p.add_argument("--storage", metavar="URL", help="Optuna storage: a journal file path, or an RDB URL "
                    "such as postgresql://... (default: search.storage, else results/search/<study>/journal.log)")
+    p.add_argument("--single-trial", action="store_true", help="run one trial of the study (told infeasible "
+                   "ones do not count) and end: a worker of a study shared by several orchestrators, e.g. one "
+                   "SLURM job per trial (the search_jobs target; docs/search.md)")
 
     p = add("report", cmd_report, "Render the comparison report (index.html, report.md) from whatever "
             "results exist.")

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Make sure the system programs tiersep needs are on PATH; install them with apt-get when we are
-# root on Debian/Ubuntu, otherwise stop with the command to run. Usage: system-deps.sh ffmpeg [chromium] [slurm]
+# root on Debian/Ubuntu, otherwise stop with the command to run. Usage: system-deps.sh ffmpeg [chromium] [slurm] [postgresql]
 set -e
 missing=""
 need() { # need <program...> -- <debian packages...>
@@ -12,6 +12,8 @@ for what in "$@"; do
         ffmpeg)   need ffmpeg ffprobe -- ffmpeg ;;
         chromium) need chromium -- chromium ;;
         slurm)    need slurmctld slurmd sbatch munged -- slurmctld slurmd slurm-client munge ;;
+        # the server binaries are off PATH, under /usr/lib/postgresql/<version>/bin
+        postgresql) ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$missing postgresql" ;;
         *) echo "system-deps.sh: unknown component $what" >&2; exit 2 ;;
     esac
 done

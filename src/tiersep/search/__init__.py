@@ -9,6 +9,7 @@ one that runs is its own `tiersep train` process, pruned through the trainer's p
     admit.py          the fit gate's verdict per trial: fits, repaired (levers) or infeasible
     trial_process.py  one trial's `tiersep train` process: start, metrics, stop, records
     orchestrator.py   the ask / admit / launch / report / prune / tell loop, and the resume
+    owners.py         several orchestrators on one study: owners, heartbeats, the study lock
     table.py          trials.csv and best.yaml from the study's storage
 """
 from .orchestrator import Search, run_search

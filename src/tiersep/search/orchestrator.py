@@ -15,6 +15,10 @@ collected, any other is started again with --resume (from its checkpoint, or fro
 none was written). A trial killed while it was being sampled (params incomplete) is told FAIL with
 that reason and its params re-enqueued; such a FAIL does not count, so the study ends with exactly
 `trials` trials COMPLETE, PRUNED, INFEASIBLE or FAIL for another reason.
+
+Several orchestrators may share one study (PostgreSQL across hosts, or SLURM jobs with
+--single-trial): each trial records its owner and a heartbeat, asking and taking over happen under
+one lock, and only a trial whose owner is gone is taken over (owners.py).
 """
 from __future__ import annotations
 
@@ -30,10 +34,10 @@ from optuna.trial import TrialState
 from tiersep import config as C
 from tiersep.io import write_json, write_text
 
-from . import table, trial_process
+from . import owners, table, trial_process
 from .admit import Admission, Admitter, budget_bytes, estimate_device
 from .space import grid_size, parse_space, trial_preset
-from .study import open_study, prunes
+from .study import open_study, prunes, reseed
 
 GIB = 2**30
 CONSTRAINT = "memory_gib"   # booking + margin - budget, in GiB (> 0: infeasible)
@@ -52,7 +56,7 @@ class Running:
 
 class Search:
     def __init__(self, cfg: dict, study: str | None = None, trials: int | None = None,
-                 parallel: int | None = None, storage: str | None = None):
+                 parallel: int | None = None, storage: str | None = None, single: bool = False):
         self.cfg, self.source = cfg, cfg.get("_source", "config")
         if not cfg.get("search"):
             raise C.ConfigError(f"{self.source}: search: not set (give a base preset and a space; docs/search.md)")
@@ -73,6 +77,7 @@ class Search:
         if self.search["sampler"] == "grid":
             self.total = min(self.total, grid_size(self.dims, self.source))
         self.storage_url = storage
+        self.single, self.launched = single, False   # --single-trial: a worker that runs one trial and ends
         self.admitter = Admitter(cfg, self.search, self.device, self.budget)
         self.running: dict[int, Running] = {}
         self._prepared: dict[int, Path] = {}
@@ -80,32 +85,91 @@ class Search:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
         self.trials_dir.mkdir(parents=True, exist_ok=True)
-        self.study = open_study(self.search, self.base, self.dims, self.folder, self.source, self.storage_url)
-        self.say(f"study {self.search['study']}: {self.total} trials, {self.search['sampler']} sampler, "
-                 f"{self.search['pruner'] if self.prunes else 'no'} pruner, budget {self.budget / GIB:.2f} GiB "
-                 f"({self.device}), {self.search['parallel']} at once; storage in {self.folder}")
-        for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            self.recover(frozen)
-        while True:
-            while len(self.running) < self.search["parallel"] and self.counted() + len(self.running) < self.total:
-                self.next_trial()
-            if not self.running:
-                break
-            for number in list(self.running):
-                self.poll(self.running[number])
-            time.sleep(self.search["poll_seconds"])
+        url = self.storage_url or self.search["storage"]
+        self.lock = owners.StudyLock(url, self.folder, self.search["study"], self.source)
+        try:
+            with self.lock:   # two orchestrators starting together create one study (and RDB schema)
+                self.study = open_study(self.search, self.base, self.dims, self.folder, self.source,
+                                        self.storage_url)
+            self.owner = owners.me()
+            self.heart = owners.Heartbeat(self.search["heartbeat_seconds"] / 3)
+            self.heart.start()
+            self.say(f"study {self.search['study']}: {self.total} trials, {self.search['sampler']} sampler, "
+                     f"{self.search['pruner'] if self.prunes else 'no'} pruner, budget {self.budget / GIB:.2f} "
+                     f"GiB ({self.device}), {self.search['parallel']} at once"
+                     f"{', one trial in this process' if self.single else ''}; storage in {self.folder}")
+            self.loop()
+        finally:
+            if hasattr(self, "heart"):
+                self.heart.stop()
+            self.lock.close()
         self.write_outputs()
         return 0
 
-    def counted(self) -> int:
-        """Trials that ended and count towards `trials` (a FAIL re-enqueued after a crash does not)."""
-        done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                             TrialState.FAIL))
-        return sum(1 for t in done if not t.user_attrs.get("requeued"))
+    def loop(self) -> None:
+        """Run trials until the study holds `trials` of them; with other orchestrators on the same
+        study, wait for theirs too and take over any they abandon (owners.py)."""
+        every, checked = self.search["heartbeat_seconds"] / 3, -math.inf
+        while True:
+            if time.monotonic() - checked >= every:
+                self.take_over()
+                checked = time.monotonic()
+            while self.free_slots() and self.claim_next():
+                pass
+            if not self.running:
+                counted, running = self.census()
+                if self.single and (self.launched or counted + running >= self.total):
+                    break
+                if running == 0 and counted >= self.total:
+                    break
+            for number in list(self.running):
+                self.poll(self.running[number])
+            time.sleep(self.search["poll_seconds"])
 
-    def next_trial(self) -> None:
-        trial = self.study.ask({k: d.distribution() for k, d in self.dims.items()})
+    def free_slots(self) -> int:
+        """Trials this process may still start now: `parallel` at once, or one in all with --single-trial."""
+        if self.single:
+            return 0 if self.launched or self.running else 1
+        return self.search["parallel"] - len(self.running)
+
+    def census(self) -> tuple[int, int]:
+        """(trials that ended and count towards `trials`, trials RUNNING under any orchestrator);
+        a FAIL re-enqueued after a crash does not count."""
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                               TrialState.FAIL, TrialState.RUNNING))
+        running = sum(1 for t in trials if t.state == TrialState.RUNNING)
+        return sum(1 for t in trials if t.state != TrialState.RUNNING and not t.user_attrs.get("requeued")), running
+
+    def claim_next(self) -> bool:
+        """Ask a new trial and own it, when the study still lacks one (atomic across orchestrators)."""
+        with self.lock:
+            counted, running = self.census()
+            if counted + running >= self.total:
+                return False
+            reseed(self.study, self.search, self.dims, self.source)
+            trial = self.study.ask({k: d.distribution() for k, d in self.dims.items()})
+            owners.claim(trial, self.owner)
+        self.heart.add(trial)
         self.start_trial(trial)
+        return True
+
+    def take_over(self) -> None:
+        """Own and recover RUNNING trials whose orchestrator is gone (owners.abandoned), up to the
+        free slots; under the lock, so two orchestrators never take the same one."""
+        taken = []
+        with self.lock:
+            for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if len(taken) >= self.free_slots() or frozen.number in self.running:
+                    continue
+                why = owners.abandoned(frozen.user_attrs, self.owner, self.search["heartbeat_seconds"])
+                if why is not None:
+                    trial = optuna.trial.Trial(self.study, frozen._trial_id)
+                    owners.claim(trial, self.owner)
+                    self.heart.add(trial)
+                    taken.append((frozen, why))
+        for frozen, why in taken:
+            self.say(f"trial {frozen.number}: taking it over: {why}")
+            self.recover(frozen)
 
     def start_trial(self, trial: optuna.trial.Trial, resume: bool = False) -> None:
         name = f"{self.search['study']}-trial{trial.number}"
@@ -166,6 +230,7 @@ class Search:
         data = self.data_for(a.preset)
         launches = int(trial.user_attrs.get("launches", 0)) + 1
         trial.set_user_attr("launches", launches)
+        self.launched = True
         process = trial_process.start(self.source, preset_file, data, run_dir, estimate_file, log, resume)
         trial.set_user_attr("pid", process.pid)
         trial.set_user_attr("pid_started", trial_process.process_started(process.pid))
@@ -257,7 +322,9 @@ class Search:
         """A trial a dead orchestrator left RUNNING (see the module docstring)."""
         trial = optuna.trial.Trial(self.study, frozen._trial_id)
         attrs = frozen.user_attrs
-        if "pid" in attrs and not trial_process.wait_gone(attrs["pid"], attrs.get("pid_started")):
+        # a trial process lives on its orchestrator's host (elsewhere: it got SIGUSR1 when that one died)
+        if ("pid" in attrs and owners.same_host(attrs)
+                and not trial_process.wait_gone(attrs["pid"], attrs.get("pid_started"))):
             self.finish(trial, TrialState.FAIL, f"its process {attrs['pid']} from before the restart did not stop")
             return
         run_dir = self.paths(frozen.number)[0]
@@ -288,6 +355,7 @@ class Search:
 
 
 def run_search(cfg: dict, study: str | None = None, trials: int | None = None, parallel: int | None = None,
-               storage: str | None = None) -> int:
-    """`tiersep search`: run (or continue) the config's search; 0 when the study holds its trials."""
-    return Search(cfg, study, trials, parallel, storage).run()
+               storage: str | None = None, single: bool = False) -> int:
+    """`tiersep search`: run (or continue) the config's search; 0 when the study holds its trials
+    (with `single`: when this process's one trial has ended, or the study needs no more)."""
+    return Search(cfg, study, trials, parallel, storage, single).run()

@@ -31,8 +31,9 @@ def storage(url: str | None, folder: Path):
     return JournalStorage(JournalFileBackend(str(path)))
 
 
-def sampler(search: dict, dims: dict[str, Dimension], source: str) -> optuna.samplers.BaseSampler:
-    name, seed = search["sampler"], search["seed"]
+def sampler(search: dict, dims: dict[str, Dimension], source: str, offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler, seeded with search.seed + `offset` (see reseed)."""
+    name, seed = search["sampler"], search["seed"] + offset
     if name == "nsga2" and len(search["objectives"]) < 2:
         raise C.ConfigError(f"{source}: search.sampler: nsga2 needs two objectives "
                             "(search.objectives: [si_sdr, predicted_peak])")
@@ -45,6 +46,13 @@ def sampler(search: dict, dims: dict[str, Dimension], source: str) -> optuna.sam
     if name == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
+
+
+def reseed(study: optuna.Study, search: dict, dims: dict[str, Dimension], source: str) -> None:
+    """A fresh sampler seeded by how many trials the study holds, before each ask: orchestrators
+    sharing a study would otherwise draw the same random numbers from the same seed, and a study is
+    then reproducible from its history whoever asks (the samplers keep their state in the storage)."""
+    study.sampler = sampler(search, dims, source, offset=len(study.get_trials(deepcopy=False)))
 
 
 def prunes(search: dict) -> bool:
