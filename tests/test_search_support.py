@@ -6,6 +6,7 @@ import csv
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 from test_train_support import CPU_TINY_FILE, make_workspace
@@ -47,12 +48,19 @@ def base_preset(ws: dict, **sets) -> dict:
     return C.validate(preset, "preset.schema.yaml", "test")
 
 
-def booking(ws: dict, sets: dict) -> int:
-    """The CPU booking the fit gate makes for the base preset with `sets` ({dotted field: value})."""
-    from tiersep.memory import gate
+def booking(ws: dict, sets: dict, tight: bool = False) -> int:
+    """The CPU booking the fit gate makes for the base preset with `sets` ({dotted field: value}):
+    under a roomy budget (glibc's own malloc), or with `tight` under one it cannot meet, where the
+    gate books the tuned malloc's smaller figure (as it does whenever glibc's own does not fit)."""
+    from tiersep.memory import DoesNotFit, gate
 
     preset = base_preset(ws, **sets)
-    return int(gate(preset, "cpu", 64 * 2**30, 0.08)["gate_required_bytes"])
+    if not tight:
+        return int(gate(preset, "cpu", 64 * 2**30, 0.08)["gate_required_bytes"])
+    with pytest.raises(DoesNotFit) as refused:
+        gate(preset, "cpu", 1, 0.08)
+    assert refused.value.estimate["cpu_process"]["malloc"] == "tuned"
+    return int(refused.value.estimate["gate_required_bytes"])
 
 
 def budget_between(fits: int, does_not: int, margin: float = 0.08) -> float:
