@@ -10,6 +10,8 @@ one that runs is its own `tiersep train` process, pruned through the trainer's p
     trial_process.py  one trial's `tiersep train` process: start, metrics, stop, records
     orchestrator.py   the ask / admit / launch / report / prune / tell loop, and the resume
     table.py          trials.csv and best.yaml from the study's storage
+    outputs.py        when the study ends: pareto/, best/<budget>gib.yaml, best.json, and the best
+                      trials evaluated on the test set (eval/<n>/)
 """
 from .orchestrator import Search, run_search
 
