@@ -337,3 +337,12 @@ def test_the_search_section_in_headless_chromium(two, tmp_path):
     assert not errors, errors
     fetched = [e["params"]["request"]["url"] for e in browser.events if e["method"] == "Network.requestWillBeSent"]
     assert all(url.startswith(("data:", "file:")) for url in fetched), fetched
+
+
+def test_a_trials_csv_the_search_cannot_have_written_is_a_failure_row_not_a_section(tmp_path):
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "trials.csv").write_text("number,state\n0,EXPLODED\n")
+    _out, page, md = render_with(tmp_path, study)
+    assert 'id="search-section"' not in page and "## Search" not in md
+    assert "trials.csv: line 2: number '0' / state 'EXPLODED' is not a trial of tiersep search" in html.unescape(page)
