@@ -21,7 +21,7 @@ from tiersep.report import collect, output_files, render, source_files
 from tiersep.report.captions import caption_html, caption_markdown
 from tiersep.report.collect import Tier, git_commit, manifest_summary
 from tiersep.report.memory import start_shortfalls
-from tiersep.report.plots import PLOTS, pareto_front
+from tiersep.report.plots import PLOTS, SEARCH_PLOTS, pareto_front
 from tiersep.report.render import TEMPLATE_FILES, TEMPLATES_DIR, caption_dir
 from tiersep.report.units import (format_bytes, format_db, format_duration, format_int, format_percent,
                                   format_rate)
@@ -382,7 +382,7 @@ def test_source_files_list_templates_and_captions():
     assert all(path.is_file() for path in files)
     assert {p.name for p in files if p.parent == TEMPLATES_DIR} == set(TEMPLATE_FILES)
     assert {p.name for p in TEMPLATES_DIR.iterdir()} == set(TEMPLATE_FILES)  # nothing unlisted
-    assert {p.stem for p in files if p.suffix == ".rst"} == {stem for stem, _ in PLOTS}
+    assert {p.stem for p in files if p.suffix == ".rst"} == {stem for stem, _ in PLOTS + SEARCH_PLOTS}
 
 
 def test_outputs_are_written_atomically(rendered):

@@ -235,6 +235,7 @@ class Collected:
     tiers: list[Tier]
     facts: dict
     fit_matrix: dict | None = None  # results/vram/fit_matrix.json: what fits which GPU
+    search: object | None = None  # tiersep.report.search.Study: results/search/<study>/, when it exists
 
 
 # ---- readers ---------------------------------------------------------------------------------
@@ -493,4 +494,7 @@ def collect(cfg: dict, results_dir: str | Path) -> Collected:
     facts = run_facts(cfg, results_dir, tiers)
     # a damaged matrix is a problem of the run (an invalid-record row), the page renders without it
     fit_matrix = _reader(facts["problems"])("fit_matrix", results_dir / "vram" / f"{FIT_MATRIX}.json")
-    return Collected(tiers=tiers, facts=facts, fit_matrix=fit_matrix)
+    from tiersep.report.search import collect_study
+
+    return Collected(tiers=tiers, facts=facts, fit_matrix=fit_matrix,
+                     search=collect_study(cfg, results_dir, facts["problems"]))

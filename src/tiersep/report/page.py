@@ -14,6 +14,7 @@ from tiersep.report.sections.fit_matrix import fit_matrix_table, row_anchor
 from tiersep.report.sections.listen import ListenSection, listen_section
 from tiersep.report.sections.memory import conditions_table, memory_table
 from tiersep.report.sections.quality import frames_table, protocols, quality_table
+from tiersep.report.sections.search import SearchSection, search_section
 from tiersep.report.sections.table import Table
 from tiersep.report.sections.tiers import Card, cards, tiers_table
 
@@ -42,6 +43,7 @@ class Page:
     listen: ListenSection
     estimates: Table
     fit_matrix: Table
+    search: SearchSection | None  # None: no study under results/search/, no Search section
     figures: list[Figure]
     facts: list[tuple[str, str]]
     devices: Table
@@ -63,11 +65,14 @@ def data_note(collected: Collected) -> str:
             "the quality a tier reaches on real music (see docs/data.md for MUSDB18).")
 
 
-def build_page(collected: Collected, figures: list[Figure]) -> Page:
+def build_page(collected: Collected, figures: list[Figure], search_figures: list[Figure] = ()) -> Page:
     tiers = collected.tiers
     facts = collected.facts
     # a tier's "does not fit" links to its row of What fits which GPU
     fit_rows = {row["tier"]: row_anchor(row["tier"]) for row in (collected.fit_matrix or {}).get("tiers", [])}
+    search = search_section(collected.search)
+    if search is not None:
+        search.figures = list(search_figures)
     return Page(
         title=f"tiersep report: {len(tiers)} tiers",
         subtitle=f"config {facts['config_hash']} · commit {facts['git_commit']} · results folder "
@@ -76,6 +81,6 @@ def build_page(collected: Collected, figures: list[Figure]) -> Page:
         cards=cards(tiers), tiers=tiers_table(tiers), memory=memory_table(tiers),
         conditions=conditions_table(tiers), failures=failures_table(collected), quality=quality_table(tiers),
         frames=frames_table(tiers), listen=listen_section(tiers), estimates=estimates_table(tiers, fit_rows),
-        fit_matrix=fit_matrix_table(collected),
+        fit_matrix=fit_matrix_table(collected), search=search,
         figures=figures, facts=fact_rows(collected), devices=devices_table(collected),
         versions=versions_table(collected), datasets=datasets_table(collected), protocols=protocols(tiers))

@@ -23,6 +23,14 @@ PLOTS = (
     ("memory_over_steps", "Memory over training steps"),
     ("stem_si_sdr", "SI-SDR per stem over the test tracks"),
 )
+# The Search section's figures (tiersep.report.sections.search), written whether or not a study exists.
+SEARCH_PLOTS = (
+    ("search_history", "Search: optimisation history"),
+    ("search_pareto", "Search: validation SI-SDR against predicted peak, with the GPU budgets"),
+    ("search_timeline", "Search: when each trial ran, and how it ended"),
+)
+STATE_COLORS = {"COMPLETE": "#59a14f", "PRUNED": "#f28e2b", "INFEASIBLE": "#e15759", "FAIL": "#7a1f1f",
+                "RUNNING": "#4e79a7", "WAITING": "#bab0ac"}
 DPI = 100
 # text.parse_math off: tier names are folder names, and one holding '$' (e.g. 'a$\frac$b') is
 # mathtext to matplotlib, which fails to parse it and would stop the whole report.
@@ -372,3 +380,133 @@ def make_plots(tiers: list[Tier], budget: float | None) -> dict[str, bytes]:
     }
     with _pyplot().rc_context(STYLE):  # the report's style, without changing the process's defaults
         return {name: drawn[name]() for name, _title in PLOTS}
+
+
+# ---- the Search section ------------------------------------------------------------------------
+def _state_handles(states) -> list:
+    from matplotlib.patches import Patch
+
+    return [Patch(color=STATE_COLORS[s], label=s) for s in STATE_COLORS if s in states]
+
+
+def _rug(ax, trials, x) -> None:
+    """Trials without a validation SI-SDR (pruned, infeasible, failed) as marks under the axis."""
+    for trial in trials:
+        if trial.si_sdr is None:
+            ax.plot([x(trial)], [0.04], transform=ax.get_xaxis_transform(), marker="x" if trial.state ==
+                    "INFEASIBLE" else "v", color=STATE_COLORS.get(trial.state, "#555555"), markersize=7, mew=1.6,
+                    linestyle="", clip_on=False)
+
+
+def plot_search_history(study) -> bytes:
+    title = "Optimisation history: validation SI-SDR per trial, and the best so far"
+    if study is None or not study.trials:
+        return _empty(title, "No search study yet.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    scored = [t for t in study.trials if t.si_sdr is not None]
+    for t in scored:
+        ax.scatter([t.number], [t.si_sdr], s=30, color=STATE_COLORS["COMPLETE"], zorder=3)
+    best, xs, ys = -math.inf, [], []
+    for t in sorted(scored, key=lambda t: t.number):
+        best = max(best, t.si_sdr)
+        xs.append(t.number)
+        ys.append(best)
+    if xs:
+        ax.step(xs + [max(t.number for t in study.trials)], ys + [ys[-1]], where="post", color="#333333",
+                linewidth=1, label="best so far")
+    else:
+        ax.text(0.5, 0.5, "no trial has completed with a score yet", transform=ax.transAxes, ha="center",
+                color="#555555")
+    _rug(ax, study.trials, lambda t: t.number)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + _state_handles({t.state for t in study.trials}),
+              fontsize=7, loc="lower right")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("validation SI-SDR (dB)")
+    ax.set_title(title)
+    return _png(fig)
+
+
+def plot_search_pareto(study) -> bytes:
+    title = "Validation SI-SDR against predicted peak (the gate's booking): up and left is better"
+    shown = [t for t in (study.trials if study else []) if t.booking_gib is not None]
+    if not shown:
+        return _empty(title, "No search study yet.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    index = study.index or {}
+    front = {p["trial"] for p in index.get("pareto") or []}
+    for t in shown:
+        if t.si_sdr is not None:
+            on = t.number in front
+            ax.scatter([t.booking_gib], [t.si_sdr], s=60 if on else 30, zorder=3, color=STATE_COLORS["COMPLETE"],
+                       edgecolors="#222222" if on else "none")
+            ax.annotate(str(t.number), (t.booking_gib, t.si_sdr), xytext=(5, 3), textcoords="offset points",
+                        fontsize=7)
+    line = sorted((t.booking_gib, t.si_sdr) for t in shown if t.number in front)
+    if line:
+        ax.step(*zip(*line), where="post", color="#888888", linestyle="--", linewidth=1, label="Pareto front")
+    _rug(ax, shown, lambda t: t.booking_gib)
+    margin = float(index.get("safety_margin") or 0.0)
+    xs = [t.booking_gib for t in shown]
+    for budget in index.get("budgets") or []:
+        limit = budget["budget_gib"] * (1 - margin)   # the largest booking that fits it
+        ax.axvline(limit, color="#4e79a7", linestyle=":", linewidth=1)
+        ax.annotate(budget["label"], (limit, 1.0), xycoords=ax.get_xaxis_transform(), rotation=90, fontsize=7,
+                    ha="right", va="top", color="#4e79a7")
+        xs.append(limit)
+    if max(xs) / max(min(xs), 1e-9) > 4:   # GPU budgets far beyond the bookings (e.g. a CPU study)
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))   # no mathtext (STYLE)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.plot([], [], color="#4e79a7", linestyle=":", label=f"GPU budget (largest booking that fits, {margin:.0%} kept free)")
+    ax.plot([], [], marker="x", color=STATE_COLORS["INFEASIBLE"], linestyle="", label="infeasible (no process)")
+    ax.plot([], [], marker="v", color=STATE_COLORS["PRUNED"], linestyle="", label="pruned or failed (no final score)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_xlabel("predicted peak, booked (GiB)")
+    ax.set_ylabel("validation SI-SDR (dB)")
+    ax.set_title(title)
+    return _png(fig)
+
+
+def plot_search_timeline(study) -> bytes:
+    title = "Timeline: each trial from its start to its end, coloured by how it ended"
+    timed = [t for t in (study.trials if study else []) if t.started is not None]
+    if not timed:
+        return _empty(title, "No search study yet.")
+    plt = _pyplot()
+    start = min(t.started for t in timed)
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(timed) + 1.8))
+    for t in timed:
+        left = (t.started - start).total_seconds()
+        color = STATE_COLORS.get(t.state, "#555555")
+        if t.ran:
+            ax.barh(t.number, t.duration, left=left, height=0.6, color=color)
+            if t.state == "PRUNED":
+                ax.annotate(t.reason, (left + t.duration, t.number), xytext=(3, 0), textcoords="offset points",
+                            va="center", fontsize=7, color=color)
+        else:   # infeasible (no process: 0 s) or still running
+            ax.plot([left], [t.number], marker="x" if t.state == "INFEASIBLE" else ">", color=color, markersize=7,
+                    mew=1.6, linestyle="")
+    ax.invert_yaxis()
+    ax.set_yticks([t.number for t in timed], [str(t.number) for t in timed], fontsize=7)
+    ax.set_xlabel("seconds since the first trial started")
+    ax.set_ylabel("trial")
+    ax.legend(handles=_state_handles({t.state for t in timed}), fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def make_search_plots(study) -> dict[str, bytes]:
+    """{plot file stem: PNG bytes} for every plot in SEARCH_PLOTS (study: tiersep.report.search.Study
+    or None)."""
+    drawn = {"search_history": plot_search_history, "search_pareto": plot_search_pareto,
+             "search_timeline": plot_search_timeline}
+    with _pyplot().rc_context(STYLE):
+        return {name: drawn[name](study) for name, _title in SEARCH_PLOTS}

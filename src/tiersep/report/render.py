@@ -18,7 +18,7 @@ from tiersep import config as C
 from tiersep import io
 from tiersep.resources import resource_dir
 from tiersep.report.collect import Collected, collect
-from tiersep.report.plots import PLOTS
+from tiersep.report.plots import PLOTS, SEARCH_PLOTS
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 TEMPLATE_FILES = ("index.html.j2", "style.css", "report.md.j2")
@@ -39,14 +39,15 @@ def source_files() -> list[Path]:
     files = [TEMPLATES_DIR / name for name in TEMPLATE_FILES]
     folder = caption_dir()
     if folder is not None:
-        files += [folder / f"{stem}.rst" for stem, _title in PLOTS if (folder / f"{stem}.rst").is_file()]
+        files += [folder / f"{stem}.rst" for stem, _title in PLOTS + SEARCH_PLOTS
+                  if (folder / f"{stem}.rst").is_file()]
     return files
 
 
 def output_files(out_dir: str | Path) -> list[Path]:
-    """Every file render() writes into out_dir."""
+    """Every file render() writes into out_dir (the Search section's plots too: a fixed set)."""
     out_dir = Path(out_dir)
-    return [out_dir / "index.html", out_dir / "report.md"] + [out_dir / f"{stem}.png" for stem, _ in PLOTS]
+    return [out_dir / "index.html", out_dir / "report.md"] + [out_dir / f"{stem}.png" for stem, _ in PLOTS + SEARCH_PLOTS]
 
 
 # ---- templates -------------------------------------------------------------------------------------
@@ -87,21 +88,21 @@ def markdown_environment():
     return env
 
 
-def figures(pngs: dict[str, bytes], captions: dict[str, str]):
+def figures(pngs: dict[str, bytes], captions: dict[str, str], plots=PLOTS):
     from tiersep.report.captions import caption_html, caption_markdown
     from tiersep.report.page import Figure
 
     return [Figure(stem, title, base64.b64encode(pngs[stem]).decode("ascii"),
                    caption_html(captions[stem]) if stem in captions else "",
                    Markup(caption_markdown(captions[stem])) if stem in captions else "")
-            for stem, title in PLOTS]
+            for stem, title in plots]
 
 
 def render_pages(collected: Collected, pngs: dict[str, bytes], captions: dict[str, str]) -> tuple[str, str]:
     """(index.html, report.md) of the collected results: one page model, two templates."""
     from tiersep.report.page import build_page
 
-    page = build_page(collected, figures(pngs, captions))
+    page = build_page(collected, figures(pngs, captions), figures(pngs, captions, SEARCH_PLOTS))
     markdown = markdown_environment().get_template("report.md.j2").render(page=page)
     while "\n\n\n" in markdown:  # template blocks leave blank lines; Markdown needs one
         markdown = markdown.replace("\n\n\n", "\n\n")
@@ -116,14 +117,15 @@ def render(cfg: dict, results_dir: str | Path, out_dir: str | Path) -> None:
     file is written. One report writes into it at a time (OutputBusy)."""
     from tiersep.outputs import claim, exclusive, only_names
     from tiersep.report.captions import read_captions
-    from tiersep.report.plots import make_plots  # matplotlib only when rendering
+    from tiersep.report.plots import make_plots, make_search_plots  # matplotlib only when rendering
     from tiersep.report.sections.facts import budget_bytes
 
     out_dir = claim(Path(out_dir), "report", known=only_names({p.name for p in output_files(out_dir)}))
     with exclusive(out_dir):
         collected = collect(cfg, results_dir)
-        pngs = make_plots(collected.tiers, budget_bytes(collected))
-        page, markdown = render_pages(collected, pngs, read_captions(caption_dir(), [stem for stem, _ in PLOTS]))
+        pngs = {**make_plots(collected.tiers, budget_bytes(collected)), **make_search_plots(collected.search)}
+        page, markdown = render_pages(collected, pngs, read_captions(caption_dir(), [stem for stem, _ in
+                                                                                     PLOTS + SEARCH_PLOTS]))
         for stem, data in pngs.items():  # PNGs first: report.md never points at a missing picture
             with io.atomic_path(out_dir / f"{stem}.png") as tmp:
                 tmp.write_bytes(data)

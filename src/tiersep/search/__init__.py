@@ -11,6 +11,8 @@ one that runs is its own `tiersep train` process, pruned through the trainer's p
     orchestrator.py   the ask / admit / launch / report / prune / tell loop, and the resume
     owners.py         several orchestrators on one study: owners, heartbeats, the study lock
     table.py          trials.csv and best.yaml from the study's storage
+    outputs.py        when the study ends: pareto/, best/<budget>gib.yaml, best.json, and the best
+                      trials evaluated on the test set (eval/<n>/)
 """
 from .orchestrator import Search, run_search
 

@@ -34,7 +34,7 @@ from optuna.trial import TrialState
 from tiersep import config as C
 from tiersep.io import write_json, write_text
 
-from . import owners, table, trial_process
+from . import outputs, owners, table, trial_process
 from .admit import Admission, Admitter, budget_bytes, estimate_device
 from .space import grid_size, parse_space, trial_preset
 from .study import open_study, prunes, reseed
@@ -104,7 +104,7 @@ class Search:
                 self.heart.stop()
             self.lock.close()
         self.write_outputs()
-        return 0
+        return self.end_of_study()
 
     def loop(self) -> None:
         """Run trials until the study holds `trials` of them; with other orchestrators on the same
@@ -349,6 +349,27 @@ class Search:
     def write_outputs(self) -> None:
         table.write_trials_csv(self.study, self.fields, self.objectives, self.folder / "trials.csv")
         table.write_best(self.study, self.objectives, self.trials_dir, self.folder / "best.yaml")
+
+    def end_of_study(self) -> int:
+        """Pareto presets, each budget's best and best.json (outputs.py); then the best trial and
+        each budget's best evaluated on the test set, as a tier is. 1 when an evaluation failed."""
+        index = outputs.write(self.study, self.objectives, self.folder, self.cfg, self.device)
+        for item in index["budgets"]:
+            self.say(f"best for {item['label']}: " + (f"trial {item['trial']} ({item['si_sdr']:.3f} dB, booked "
+                                                       f"{item['booking_gib']:.2f} GiB) -> {item['preset']}"
+                                                       if item.get("trial") is not None else item["reason"]))
+        if index["pareto"]:
+            self.say(f"Pareto front: trials {', '.join(str(p['trial']) for p in index['pareto'])} -> pareto/")
+        failed = []
+        for number in outputs.to_evaluate(index):
+            preset = C.load_preset(str(self.trials_dir / f"{number}.preset.yaml"))
+            self.say(f"evaluating trial {number} on the test set -> eval/{number}/")
+            why = outputs.evaluate(self.source, self.folder, number, self.data_for(preset))
+            if why:
+                failed.append(why)
+                self.say(why)
+        outputs.write(self.study, self.objectives, self.folder, self.cfg, self.device)   # with the scores
+        return 1 if failed else 0
 
     def say(self, text: str) -> None:
         print(f"tiersep search: {text}", file=sys.stderr, flush=True)

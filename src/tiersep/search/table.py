@@ -1,5 +1,7 @@
 """What a search leaves under results/search/<study>/, read back from the study's storage (the
-source of truth): trials.csv (one row per trial) and best.yaml (the preset the best trial trained)."""
+source of truth): trials.csv (one row per trial) and best.yaml (the preset the best trial trained).
+The other outputs of a finished study (Pareto presets, the best trial per GPU budget, their test
+scores) are tiersep.search.outputs."""
 from __future__ import annotations
 
 import csv
@@ -14,7 +16,7 @@ from tiersep.io import write_text
 
 GIB = 2**30
 COLUMNS = ["number", "state", "reason", "verdict", "levers", "estimate_gib", "booking_gib", "budget_gib",
-           "measured_peak_gib", "steps", "si_sdr", "predicted_peak_gib", "seconds"]
+           "measured_peak_gib", "steps", "si_sdr", "predicted_peak_gib", "seconds", "started", "ended"]
 
 
 def infeasible(trial: FrozenTrial) -> bool:
@@ -26,6 +28,11 @@ def state_of(trial: FrozenTrial) -> str:
     if trial.state == TrialState.COMPLETE and infeasible(trial):
         return "INFEASIBLE"
     return trial.state.name
+
+
+def _time(value) -> str:
+    """A trial's datetime_start / datetime_complete as ISO text (the report's timeline)."""
+    return "" if value is None else value.isoformat(timespec="milliseconds")
 
 
 def _gib(value) -> str:
@@ -43,7 +50,8 @@ def row(trial: FrozenTrial, fields: list[str], objectives: list[str]) -> dict:
             "measured_peak_gib": _gib(a.get("measured_peak_bytes")), "steps": a.get("steps", ""),
             "si_sdr": "" if si_sdr is None or not math.isfinite(si_sdr) else f"{si_sdr:.4f}",
             "predicted_peak_gib": _gib(a.get("booking_bytes")) if "predicted_peak" in objectives else "",
-            "seconds": f"{a.get('train_seconds', 0.0):.1f}"}
+            "seconds": f"{a.get('train_seconds', 0.0):.1f}",
+            "started": _time(trial.datetime_start), "ended": _time(trial.datetime_complete)}
 
 
 def write_trials_csv(study: optuna.Study, fields: list[str], objectives: list[str], path: Path) -> None:

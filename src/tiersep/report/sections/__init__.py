@@ -9,4 +9,5 @@ quality    test-set quality, museval frames, the evaluation protocols
 listen     the excerpts to listen to (index.html plays them; report.md says where they are)
 estimates  how each estimate was made and what it holds
 facts      run facts, devices, software versions, datasets
+search     a hyperparameter search: trials, each GPU budget's best, the Pareto front, packing
 """
