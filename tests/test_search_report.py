@@ -91,6 +91,7 @@ def two(ws):
     small = just_over(booking(ws, configs[0]))
     assert [gate_passes(ws, c, budget) for c in configs] == [True, True, True, False]
     config = write_search_config(ws, "two", trials=4, parallel=2, budget_gib=budget, on_oversize="skip",
+                                 evaluate=True,
                                  objectives=["si_sdr", "predicted_peak"],
                                  space={"train.batch_size": {"choices": [2, 4, 8, 16]},
                                         "model.emb_dim": {"choices": [16, 64]}})
@@ -109,6 +110,7 @@ def one(ws):
     budget = just_over(booking(ws, {"train.batch_size": 2}))
     assert gate_passes(ws, {"train.batch_size": 2}, budget) and not gate_passes(ws, {"train.batch_size": 16}, budget)
     config = write_search_config(ws, "one", trials=4, parallel=1, pruner="median", budget_gib=budget,
+                                 evaluate=True,
                                  on_oversize="skip", space={"train.lr": {"choices": [5.0e-3, 1.0e-9]},
                                                             "train.batch_size": {"choices": [2, 16]}})
     folder = ws["root"] / "results-one" / "search" / "search"

@@ -31,10 +31,12 @@ def search_workspace(root: Path) -> dict:
 
 
 def write_search_config(ws: dict, name: str, **search) -> Path:
-    """A config file `name`.yaml in the workspace with results under results-<name>/ and `search`."""
+    """A config file `name`.yaml in the workspace with results under results-<name>/ and `search`.
+    The study's test-set evaluation is off unless asked for (evaluate=True): it is tested in
+    tests/test_search_report.py, and it tripled the other search tests' time."""
     raw = dict(ws["raw"])
     raw["results_dir"] = str(ws["root"] / f"results-{name}")
-    raw["search"] = {"preset": str(ws["base_file"]), **search}
+    raw["search"] = {"preset": str(ws["base_file"]), "evaluate": False, **search}
     path = ws["root"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
