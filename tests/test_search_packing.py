@@ -1,0 +1,188 @@
+"""Packing trials onto a GPU by their bookings (tiersep.gpu_lease bookings), with real concurrent
+processes holding real flocks. There is no GPU here: NVML is replaced by the test-only fake device
+list (TIERSEP_FAKE_GPUS; "@FILE" when the test changes the GPU's memory while the processes run),
+and the search's trials train on the CPU while the fake GPU takes their bookings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from test_gpu_lease import finish, wait_for
+from tiersep import gpu_info, gpu_lease
+
+GIB = 2**30
+REPO = Path(__file__).resolve().parents[1]
+
+# One booker: wait at the barrier (all ask at once), book GIB GiB, record when it got it, hold it
+# HOLD seconds, record when it lets go, then let go.
+BOOKER = r"""
+import json, os, sys, time
+from pathlib import Path
+from tiersep import gpu_lease
+
+out, hold, gib = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+(out.parent / (out.name + ".ready")).touch()
+while not (out.parent / "go").exists():
+    time.sleep(0.005)
+asked = time.time()
+lease = gpu_lease.book_gpu("booker " + out.stem, int(gib * 2**30))
+record = {"pid": os.getpid(), "gib": gib, "asked": asked, "got": time.time(), "waited": lease.waited_seconds,
+          "index": lease.index, "lease": lease.record()}
+out.with_suffix(".holding").write_text(json.dumps(record))
+time.sleep(hold)
+record["releasing"] = time.time()
+out.write_text(json.dumps(record))
+lease.release()
+"""
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """One fake 80 GiB GPU whose state is a file the test may rewrite, and its lease folder."""
+    leases, fake = tmp_path / "leases", tmp_path / "fake-gpus.json"
+    fake.write_text(json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 80 * GIB}]))
+    env = {k: v for k, v in os.environ.items() if k not in (gpu_lease.VISIBLE_ENV, gpu_lease.HELD_ENV)}
+    env.update({gpu_lease.LEASE_DIR_ENV: str(leases), gpu_info.FAKE_GPUS_ENV: f"@{fake}",
+                gpu_lease.TIMEOUT_ENV: "60", "PYTHONPATH": str(REPO / "src")})
+    for key in (gpu_lease.VISIBLE_ENV, gpu_lease.HELD_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(gpu_lease.LEASE_DIR_ENV, str(leases))
+    monkeypatch.setenv(gpu_info.FAKE_GPUS_ENV, f"@{fake}")
+    return {"dir": tmp_path, "leases": leases, "fake": fake, "env": env}
+
+
+def start_bookers(machine, bookings: dict[str, float], hold: float, **env) -> dict[str, subprocess.Popen]:
+    procs = {name: subprocess.Popen([sys.executable, "-c", BOOKER, str(machine["dir"] / f"{name}.json"), str(hold),
+                                     str(gib)], env={**machine["env"], **env}, stderr=subprocess.PIPE, text=True)
+             for name, gib in bookings.items()}
+    deadline = time.time() + 60
+    while not all((machine["dir"] / f"{name}.json.ready").exists() for name in bookings):
+        assert time.time() < deadline, "the bookers did not start"
+        assert all(p.poll() is None for p in procs.values()), [p.stderr.read() for p in procs.values()]
+        time.sleep(0.01)
+    return procs
+
+
+class Monitor:
+    """Samples the GPU's live bookings (the ledger itself) every few milliseconds while it runs."""
+
+    def __init__(self):
+        self.gpu = gpu_lease.visible_gpus()[0]
+        self.samples: list[tuple[float, list[dict]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append((time.time(), gpu_lease.bookings(self.gpu)))
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def timeline(records: list[dict]) -> list[tuple[float, float, list[str]]]:
+    """(time, GiB booked, holders) after every got/releasing event of the bookers' own records."""
+    events = sorted([(r["got"], 1, r) for r in records] + [(r["releasing"], -1, r) for r in records],
+                    key=lambda e: (e[0], e[1]))
+    holders, out = [], []
+    for t, kind, r in events:
+        holders = holders + [r] if kind > 0 else [h for h in holders if h is not r]
+        out.append((t, sum(h["gib"] for h in holders), sorted(f"{h['gib']:g}" for h in holders)))
+    return out
+
+
+def test_bookings_of_20_25_and_30_gib_share_an_80_gib_gpu_and_a_fourth_waits(machine):
+    with Monitor() as monitor:
+        three = start_bookers(machine, {"b20": 20, "b25": 25, "b30": 30}, hold=2.0)
+        (machine["dir"] / "go").touch()       # the three race for the GPU at once
+        holding = [wait_for(machine["dir"] / f"{n}.holding") for n in three]
+        fourth = start_bookers(machine, {"b10": 10}, hold=0.2)
+        errs = finish({**three, **fourth})
+    got = {n: json.loads((machine["dir"] / f"{n}.json").read_text()) for n in ("b20", "b25", "b30", "b10")}
+
+    # the three ran at once: each got its booking without waiting, while the others held theirs
+    assert all(r["waited"] < 0.5 and r["index"] == 0 for r in holding), holding
+    assert max(got[n]["got"] for n in three) < min(got[n]["releasing"] for n in three)
+    # the fourth (75 + 10 > 80) waited, said so in one line naming the bookings, and got in after a release
+    assert got["b10"]["waited"] >= 1.0, got["b10"]
+    assert got["b10"]["got"] >= min(got[n]["releasing"] for n in three)
+    waiting = [ln for ln in errs["b10"].splitlines() if "waiting to book" in ln]
+    assert len(waiting) == 1 and "10.00 GiB does not fit: 75.00 of its 80.00 GiB free at baseline booked" in waiting[0]
+    for n in three:
+        assert f"pid {got[n]['pid']} (tiersep booker {n}, {got[n]['gib']:.2f} GiB)" in waiting[0]
+    # the bookers' timeline and the ledger's own samples: never more than the GPU's free memory
+    line = timeline(list(got.values()))
+    assert max(booked for _, booked, _ in line) == 75
+    assert ["20", "25", "30"] in [holders for _, _, holders in line]
+    assert all(booked <= 80 for _, booked, _ in line), line
+    sampled = [sum(b["bytes"] for b in live) for _, live in monitor.samples]
+    assert max(sampled) == 75 * GIB and len(monitor.samples) > 100
+    assert gpu_lease.bookings(monitor.gpu) == []   # every booking ended with its process
+    assert got["b20"]["lease"]["booked_bytes"] == 20 * GIB
+
+
+def test_racing_bookers_never_oversubscribe(machine):
+    """Six processes ask for 30 GiB each on 80 GiB at the same moment: two at a time, never three."""
+    names = {f"r{i}": 30 for i in range(6)}
+    with Monitor() as monitor:
+        procs = start_bookers(machine, names, hold=0.6)
+        (machine["dir"] / "go").touch()
+        finish(procs, timeout=120)
+    got = [json.loads((machine["dir"] / f"{n}.json").read_text()) for n in names]
+    line = timeline(got)
+    assert max(booked for _, booked, _ in line) == 60 and all(booked <= 80 for _, booked, _ in line), line
+    assert max(len(live) for _, live in monitor.samples) == 2
+    assert sorted(r["waited"] < 0.4 for r in got).count(True) == 2
+
+
+def test_memory_left_above_baseline_after_a_trial_blocks_the_next_booking_naming_the_pid(machine):
+    """A trial books and ends; its memory stays in use, held by a leftover process (here a real
+    sleeping process listed by the fake NVML): the next booking waits and names that pid (or gives
+    up after its timeout, naming it), and goes ahead once the memory is back."""
+    first = start_bookers(machine, {"trial": 20}, hold=0.0)
+    (machine["dir"] / "go").touch()
+    finish(first)
+    gpu = gpu_lease.visible_gpus()[0]
+    assert gpu_lease.baseline(gpu)["used_bytes"] == 0 and gpu_lease.bookings(gpu) == []
+
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        machine["fake"].write_text(json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 70 * GIB,
+                                                "processes": [{"pid": leftover.pid, "name": "wandb-agent",
+                                                               "used": 10 * GIB}]}]))
+        # a process that books for itself, with a short wait: NoFreeGpu names the pid
+        snippet = "from tiersep import gpu_lease; gpu_lease.book_gpu('next trial', 5 * 2**30)"
+        proc = subprocess.run([sys.executable, "-c", snippet], env={**machine["env"], gpu_lease.TIMEOUT_ENV: "0.5"},
+                              capture_output=True, text=True, timeout=60)
+        error = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 1 and error.startswith("tiersep.gpu_lease.NoFreeGpu: no GPU took a booking of "
+                                                         "5.00 GiB within 0.5 s: GPU 0 is not back to its baseline: "
+                                                         "10.00 GiB used against 0.00 GiB at baseline + 0.00 GiB booked")
+        assert f"still held by pid {leftover.pid} (wandb-agent, 10.00 GiB)" in error
+        assert gpu_lease.NoFreeGpu.exit_code == 6   # what the CLI exits with on it
+
+        waiter = start_bookers(machine, {"next": 5}, hold=0.0)   # "go" exists: it asks at once
+        line = waiter["next"].stderr.readline()
+        assert "waiting to book 5.00 GiB: GPU 0 is not back to its baseline" in line
+        assert f"still held by pid {leftover.pid} (wandb-agent, 10.00 GiB)" in line
+        time.sleep(1.0)
+        assert not (machine["dir"] / "next.holding").exists()    # not inherited: still waiting
+    finally:
+        leftover.kill()
+        leftover.wait()
+    machine["fake"].write_text(json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 80 * GIB}]))
+    finish(waiter)
+    assert json.loads((machine["dir"] / "next.json").read_text())["waited"] >= 1.0
