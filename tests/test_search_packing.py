@@ -186,3 +186,67 @@ def test_memory_left_above_baseline_after_a_trial_blocks_the_next_booking_naming
     machine["fake"].write_text(json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 80 * GIB}]))
     finish(waiter)
     assert json.loads((machine["dir"] / "next.json").read_text())["waited"] >= 1.0
+
+
+@pytest.mark.slow
+def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machine, tmp_path):
+    """The post-mortem behind this project: 30 trials in a row on one GPU with hyperband, 29 of which
+    ended in CUDA OOM. Here: a real `tiersep search` (real Optuna, real `tiersep train` processes, on
+    the CPU) on one fake 2.5 GiB GPU, 3 trials asked at once, each booked by its CUDA estimate.
+    Every trial ends COMPLETE, PRUNED or INFEASIBLE, none FAIL or runs out of memory, two share the
+    GPU while a third waits for its booking, and the GPU's bookings never exceed its memory."""
+    import yaml
+
+    from test_search_support import base_preset, budget_between, env, search_workspace, trials_csv, write_search_config
+    from tiersep.memory import gate
+    from tiersep.search.packing import booking_bytes
+
+    machine["fake"].write_text(json.dumps([{"name": "Fake small GPU", "total": int(2.5 * GIB),
+                                            "free": int(2.5 * GIB)}]))
+    ws = search_workspace(tmp_path / "ws")
+    preset = yaml.safe_load(ws["base_file"].read_text())
+    preset["train"].update(steps=2, validate_every=1, checkpoint_every=2, warmup_steps=1)   # as short as it gets
+    ws["base_file"].write_text(yaml.safe_dump(preset, sort_keys=False))
+
+    def cuda_booking(batch: int) -> int:
+        return int(gate(base_preset(ws, **{"train.batch_size": batch}), "cuda", 64 * GIB, 0.08)["gate_required_bytes"])
+
+    # batch 1-2 fit the per-trial budget, batch 8 does not (the gate's own CUDA booking decides);
+    # two bookings fit the 2.5 GiB GPU together, three do not
+    budget = budget_between(cuda_booking(2), cuda_booking(8))
+    assert 2 * cuda_booking(2) / 0.92 < 2.5 * GIB < 3 * cuda_booking(1) / 0.92
+    config = write_search_config(ws, "postmortem", trials=30, parallel=3, pruner="hyperband", budget_gib=budget,
+                                 on_oversize="skip", poll_seconds=0.2, seed=1, space={
+                                     "train.batch_size": {"choices": [1, 2, 8]},
+                                     "train.lr": {"low": 1.0e-6, "high": 1.0e-2, "log": True}})
+    began = time.monotonic()
+    with Monitor() as monitor:
+        done = subprocess.run([sys.executable, "-m", "tiersep.cli", "search", "--config", str(config)],
+                              capture_output=True, text=True, cwd=REPO, timeout=900,
+                              env={**machine["env"], **{k: v for k, v in env().items() if k == "OMP_NUM_THREADS"}})
+    seconds = time.monotonic() - began
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = ws["root"] / "results-postmortem" / "search" / "search"
+    rows = trials_csv(folder)
+    states = [r["state"] for r in rows]
+    print(f"30 trials in {seconds:.0f} s: " + ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))))
+    assert len(rows) == 30 and set(states) <= {"COMPLETE", "PRUNED", "INFEASIBLE"}, states
+    assert "INFEASIBLE" in states and "COMPLETE" in states
+    assert "OOM" not in done.stderr and "out of memory" not in done.stderr
+    from test_search_support import load_study
+
+    capacity = int(2.5 * GIB)
+    for trial in load_study(folder, "search").trials:
+        attrs = trial.user_attrs
+        if attrs["verdict"] == "infeasible":
+            assert "pid" not in attrs and "gpu" not in attrs and trial.params["train.batch_size"] == 8
+            continue
+        assert attrs["exit_code"] in (0, 75, -10), attrs          # never 4 (out of memory)
+        estimate = json.loads((folder / "trials" / f"{trial.number}.estimate.json").read_text())
+        assert estimate["device"] == "cuda"                       # booked by its CUDA estimate
+        assert attrs["gpu"]["index"] == 0 and attrs["gpu"]["booked_bytes"] == booking_bytes(estimate) < capacity
+    # packing: two trials held the GPU at once, a third waited for its booking, never more than its memory
+    assert "waiting to book" in done.stderr and "does not fit" in done.stderr
+    booked = [sum(b["bytes"] for b in live) for _, live in monitor.samples]
+    assert max(len(live) for _, live in monitor.samples) == 2 and max(booked) <= capacity
+    assert "GPU 0: baseline 0.00 GiB used, 2.50 GiB free to book" in done.stderr

@@ -8,6 +8,8 @@ process starts), then
   runs it (trial_process.py). Each validation SI-SDR in metrics.csv is reported to the trial as it
   appears; when the pruner says stop, the trial gets SIGUSR1, checkpoints, exits 75, and is told
   PRUNED ("pruned at step S"); a finished run is told COMPLETE with its last validation SI-SDR.
+On a GPU the trial is placed first (packing.py): it books its predicted memory on a GPU and waits
+while no GPU takes it; its process inherits the booking.
 
 Resumable: the storage holds every decision. A rerun of the same command finds the trials a dead
 orchestrator left RUNNING: one that was being pruned is told PRUNED, one whose run finished is
@@ -28,10 +30,12 @@ import optuna
 from optuna.trial import TrialState
 
 from tiersep import config as C
+from tiersep import gpu_lease
 from tiersep.io import write_json, write_text
 
 from . import table, trial_process
 from .admit import Admission, Admitter, budget_bytes, estimate_device
+from .packing import Placer
 from .space import grid_size, parse_space, trial_preset
 from .study import open_study, prunes
 
@@ -75,6 +79,8 @@ class Search:
         self.storage_url = storage
         self.admitter = Admitter(cfg, self.search, self.device, self.budget)
         self.running: dict[int, Running] = {}
+        gpus = gpu_lease.visible_gpus() if self.device == "cuda" else []
+        self.placer = Placer(gpus, self.say) if gpus else None   # None: a CPU, or no GPU NVML can see
         self._prepared: dict[int, Path] = {}
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -84,18 +90,31 @@ class Search:
         self.say(f"study {self.search['study']}: {self.total} trials, {self.search['sampler']} sampler, "
                  f"{self.search['pruner'] if self.prunes else 'no'} pruner, budget {self.budget / GIB:.2f} GiB "
                  f"({self.device}), {self.search['parallel']} at once; storage in {self.folder}")
+        if self.placer:
+            self.placer.reset_baselines()
         for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             self.recover(frozen)
         while True:
-            while len(self.running) < self.search["parallel"] and self.counted() + len(self.running) < self.total:
+            while (len(self.running) + self.waiting() < self.search["parallel"]
+                   and self.counted() + len(self.running) + self.waiting() < self.total):
                 self.next_trial()
-            if not self.running:
+            self.place()
+            if not self.running and not self.waiting():
                 break
             for number in list(self.running):
                 self.poll(self.running[number])
             time.sleep(self.search["poll_seconds"])
         self.write_outputs()
         return 0
+
+    def waiting(self) -> int:
+        """Admitted trials waiting for a GPU to take their booking."""
+        return len(self.placer.waiting) if self.placer else 0
+
+    def place(self) -> None:
+        if self.placer:
+            for waiting, booking in self.placer.place(idle=not self.running):
+                self.spawn(waiting.trial, waiting.admission, waiting.resume, booking)
 
     def counted(self) -> int:
         """Trials that ended and count towards `trials` (a FAIL re-enqueued after a crash does not)."""
@@ -163,16 +182,28 @@ class Search:
         run_dir, preset_file, estimate_file, log = self.paths(trial.number)
         write_text(preset_file, C.dump_preset(a.preset))
         write_json(estimate_file, {**a.estimate, "preset": a.preset["name"]})
+        if self.placer:
+            self.placer.queue(trial, a, resume)
+        else:
+            self.spawn(trial, a, resume, None)
+
+    def spawn(self, trial, a: Admission, resume: bool, booking: gpu_lease.Booking | None) -> None:
+        run_dir, preset_file, estimate_file, log = self.paths(trial.number)
         data = self.data_for(a.preset)
         launches = int(trial.user_attrs.get("launches", 0)) + 1
         trial.set_user_attr("launches", launches)
-        process = trial_process.start(self.source, preset_file, data, run_dir, estimate_file, log, resume)
+        process = trial_process.start(self.source, preset_file, data, run_dir, estimate_file, log, resume, booking)
+        if booking is not None:
+            trial.set_user_attr("gpu", booking.record())
         trial.set_user_attr("pid", process.pid)
         trial.set_user_attr("pid_started", trial_process.process_started(process.pid))
         self.running[trial.number] = Running(trial, process, run_dir, log, time.monotonic())
         what = {"fits": "fits", "repaired": f"repaired ({'; '.join(a.levers)})"}[a.verdict]
+        where = (f"; {booking.bytes / GIB:.2f} GiB booked on {booking.gpu.label()}"
+                 + (f" after waiting {booking.waited_seconds:.1f} s" if booking.waited_seconds >= 1 else "")
+                 if booking is not None else "")
         self.say(f"trial {trial.number}: {what}, booked {a.booking_bytes / GIB:.2f} GiB of "
-                 f"{a.budget_bytes / GIB:.2f}; {'resumed' if resume else 'started'} pid {process.pid}")
+                 f"{a.budget_bytes / GIB:.2f}{where}; {'resumed' if resume else 'started'} pid {process.pid}")
 
     def poll(self, r: Running) -> None:
         """Report new validations, ask the pruner, and collect the process when it has ended."""
