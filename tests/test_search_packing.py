@@ -250,3 +250,26 @@ def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machi
     booked = [sum(b["bytes"] for b in live) for _, live in monitor.samples]
     assert max(len(live) for _, live in monitor.samples) == 2 and max(booked) <= capacity
     assert "GPU 0: baseline 0.00 GiB used, 2.50 GiB free to book" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_evidence_colocation_job_dry_run(tmp_path):
+    """bench/gpu_evidence.py's co-location job, dry: the same plan (two trials in a row, then the
+    same two at once, each its own process) on the CPU, flagged dry_run, with no GPU figure in it.
+    Its GPU figures come only from a run on a GPU (not run here)."""
+    bench = REPO / "bench" / "gpu_evidence.py"
+    done = subprocess.run([sys.executable, str(bench), "--dry-run", "--out", str(tmp_path), "--only", "colocate"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (folder,) = tmp_path.iterdir()
+    report = json.loads((folder / "colocate.json").read_text())
+    assert report["dry_run"] is True and report["preset"] == "small"
+    for how in ("in_a_row", "co_located"):
+        trials = report[how]["trials"]
+        assert sorted(trials) == ["a", "b"] and report[how]["wall_seconds"] > 0
+        assert all(t["peak_device_bytes_nvml"] is None and t["booked_bytes"] is None for t in trials.values())
+    a, b = report["in_a_row"]["trials"].values()
+    x, y = report["co_located"]["trials"].values()
+    assert len({a["pid"], b["pid"], x["pid"], y["pid"]}) == 4       # four processes
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [j["status"] for j in manifest["jobs"]] == ["ok"] and manifest["gpu"] is None

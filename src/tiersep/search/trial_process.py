@@ -59,7 +59,7 @@ def start(config_file: str, preset_file: Path, data: Path, run_dir: Path, estima
     finally:
         log.close()
     if booking is not None:   # the child holds the booking's locks now; this process lets go of its copies
-        booking.hand_to(process.pid, f"tiersep train {preset_file.stem}")
+        booking.hand_to(process.pid, f"tiersep train of search trial {run_dir.name}")
         booking.release()
     return process
 
