@@ -273,3 +273,32 @@ def test_the_gpu_evidence_colocation_job_dry_run(tmp_path):
     assert len({a["pid"], b["pid"], x["pid"], y["pid"]}) == 4       # four processes
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [j["status"] for j in manifest["jobs"]] == ["ok"] and manifest["gpu"] is None
+
+
+def test_a_booking_and_a_whole_lease_exclude_each_other_and_name_the_holder(machine):
+    """A job that leases the GPU whole (a tier's `tiersep train`) waits while a booking lives, and its
+    line names the booking; a booking waits while the GPU is leased whole."""
+    holder = start_bookers(machine, {"booked": 20}, hold=30.0)
+    (machine["dir"] / "go").touch()
+    booked = wait_for(machine["dir"] / "booked.holding")
+    try:
+        whole = subprocess.run([sys.executable, "-c", "from tiersep import gpu_lease; gpu_lease.lease_gpus('whole', timeout=0.5)"],
+                               env=machine["env"], capture_output=True, text=True, timeout=60)
+        assert whole.returncode == 1 and "NoFreeGpu: no free GPU within 0.5 s: GPU 0 booked by " \
+            f"pid {booked['pid']} (tiersep booker booked, 20.00 GiB)" in whole.stderr
+    finally:
+        holder["booked"].kill()
+        holder["booked"].wait()
+    snippet = ("import sys, time; from tiersep import gpu_lease; gpu_lease.lease_gpus('whole'); print('held', flush=True); "
+               "time.sleep(30)")
+    whole = subprocess.Popen([sys.executable, "-c", snippet], env=machine["env"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert whole.stdout.readline().strip() == "held"
+        why = gpu_lease.try_book("after", 5 * GIB)
+        assert why.startswith(f"GPU 0 leased whole by pid {whole.pid} on "), why
+    finally:
+        whole.kill()
+        whole.wait()
+    got = gpu_lease.try_book("after", 5 * GIB)
+    assert isinstance(got, gpu_lease.Booking) and got.gpu.index == 0
+    got.release()

@@ -15,6 +15,7 @@ share it keep the same fraction of the GPU free together.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ class Waiting:
     resume: bool
     bytes: int
     since: float = field(default_factory=time.monotonic)
-    said: str | None = None           # the last reason given, so a new one is said once
+    said: str | None = None           # the last reason given (figures aside), so a new one is said once
 
 
 class Placer:
@@ -73,9 +74,10 @@ class Placer:
                 got.waited_seconds = time.monotonic() - head.since
                 placed.append((self.waiting.pop(0), got))
                 continue
-            if got != head.said:
+            gist = re.sub(r"\d+(\.\d+)?", "#", got)   # memory draining after a trial is one reason, not many
+            if gist != head.said:
                 self.say(f"trial {head.trial.number}: waiting to book {head.bytes / GIB:.2f} GiB: {got}")
-                head.said = got
+                head.said = gist
             limit = gpu_lease.timeout_seconds()
             if idle and not placed and time.monotonic() - head.since > limit:
                 raise gpu_lease.NoFreeGpu(f"trial {head.trial.number} found no GPU for its {head.bytes / GIB:.2f} GiB "
