@@ -12,8 +12,8 @@ Every per-configuration figure comes from tests/data/gpu/h100-2026-11-22 (NVIDIA
 - the GPU's memory: `device_total_bytes`, nothing else on it (the README: 0 MiB used before each
   process), so its baseline is 0.
 Each trial's booking is what `tiersep search` books for it today: the fit gate's CUDA trace
-estimate of the configuration, x (1 + its class's uncertainty), with its share of the 8% safety
-margin (tiersep.search.packing.booking_bytes).
+estimate of the configuration with the native allocator (the measurements' mode), x (1 + its
+class's uncertainty), with its share of the 8% safety margin (tiersep.search.packing.booking_bytes).
 
 Assumptions, stated because no measurement here gives them:
 - co-location slowdown x: a trial sharing its GPU with k - 1 others runs 1 + (x - 1)(k - 1) times
@@ -61,6 +61,8 @@ def configurations() -> list[dict]:
         preset = C.load_preset(row["preset"], {"presets_dir": str(ROOT / "config" / "presets")})
         for key, value in row["set"].items():
             preset = C.set_field(preset, key, value)
+        # measured with the native allocator: book the same mode (a search could run them expandable, smaller)
+        preset = C.set_field(preset, "train.cuda_expandable_segments", False)
         preset = C.validate(preset, "preset.schema.yaml", name)
         estimate = gate(preset, "cuda", row["device_total_bytes"], 0.08)
         out.append({"name": name, "device_used": row["device_used_bytes"], "total": row["device_total_bytes"],
