@@ -12,6 +12,11 @@ README.md), `<gpu>-<date>/`, that tests/test_memory_cuda_accuracy.py reads as it
   measured after one warm-up step that compiles) of `small` in both allocator modes: the rows the
   compiled trace is checked against before the gate may book it;
 - calibration.json: `tiersep calibrate`;
+- colocate.json: two small trials (COLOCATE_STEPS steps of `small`, each its own process booked
+  through tiersep's GPU bookings, tiersep.gpu_lease) co-located on the GPU against the same two in
+  a row: wall time, each one's step-loop seconds, and each one's peak device use (NVML's per-process
+  figure, sampled, and its own torch counters): the co-location slowdown bench/search_packing.py
+  has to assume;
 - merl.md: MERL's reference against our step, eager and compiled (bench/model_step.py, needs
   --reference, a checkout of merlresearch/tf-locoformer);
 - manifest.json: the commit whose model ran, the GPU, versions, and every job with its status
@@ -54,9 +59,11 @@ JOBS = [
      "measure", "native"),
     ("small compiled", "small", {"train.compile": True}, "compiled", "native"),
     ("small compiled", "small", {"train.compile": True}, "compiled", "expandable"),
+    ("small co-located", "small", {}, "colocate", "native"),
     ("merl", None, {}, "merl", "native"),
 ]
 STEPS, LOG_STEPS = 3, 2
+COLOCATE_STEPS = 200    # about 17 s of `small` alone on the H100 (85 ms a step)
 # A dry run keeps each job's settings on a preset a CPU steps in a second.
 DRY_PRESET = "cpu_tiny"
 
@@ -232,7 +239,83 @@ def run_merl(job: dict, folder: Path) -> dict:
     return {"merl": "merl.md"}
 
 
+def run_trial(job: dict) -> dict:
+    """One co-location trial, in its own process: book its memory (on a GPU), then run its steps."""
+    import torch
+
+    from tiersep import gpu_lease
+    from tiersep.memory import gate
+    from tiersep.search.packing import booking_bytes
+    from tiersep.train.step import train_step
+
+    preset, device = _preset(job), "cpu" if job["dry_run"] else "cuda"
+    if job["dry_run"]:
+        torch.set_num_threads(1)   # two CPU trials at once: one core each
+    booked = None
+    if not job["dry_run"]:
+        booked = booking_bytes(gate(preset, "cuda", None, 0.08))
+        gpu_lease.book_gpu(f"gpu_evidence {job['trial']}", booked, timeout=300)
+        torch.cuda.init()
+    work = _workload(preset, device)
+    steps = 1 if job["dry_run"] else COLOCATE_STEPS
+    began = time.time()
+    for _ in range(steps):
+        train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out = {"trial": job["trial"], "pid": os.getpid(), "steps": steps, "step_loop_seconds": round(time.time() - began, 3),
+           "booked_bytes": booked}
+    if device == "cuda":
+        out.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
+                   max_memory_reserved=torch.cuda.max_memory_reserved())
+    return out
+
+
+def run_colocate(job: dict, folder: Path) -> dict:
+    """Two trials in a row, then the same two at once (module docstring); writes colocate.json."""
+    from tiersep import gpu_info
+
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, __file__, "--trial", json.dumps(dict(job, trial=name))],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def watch(procs: dict[str, subprocess.Popen]) -> dict[str, dict]:
+        """Wait for the trials, sampling NVML's per-process device use; each one's result."""
+        peaks = {name: None for name in procs}
+        while any(p.poll() is None for p in procs.values()):
+            for seen in gpu_info.processes() or []:
+                for name, p in procs.items():
+                    if seen["pid"] == p.pid and seen["used_bytes"] is not None:
+                        peaks[name] = max(peaks[name] or 0, seen["used_bytes"])
+            time.sleep(0.05)
+        out = {}
+        for name, p in procs.items():
+            stdout, stderr = p.communicate()
+            if p.returncode:
+                raise RuntimeError(f"trial {name} exited {p.returncode}: {(stderr.strip().splitlines() or [''])[-1]}")
+            out[name] = {**json.loads(stdout.strip().splitlines()[-1]), "peak_device_bytes_nvml": peaks[name]}
+        return out
+
+    report = {"preset": job["preset"], "dry_run": job["dry_run"], "commit": job["commit"]}
+    began = time.time()
+    in_a_row = {}
+    for name in ("a", "b"):
+        in_a_row.update(watch({name: start(name)}))
+    report["in_a_row"] = {"wall_seconds": round(time.time() - began, 3), "trials": in_a_row}
+    began = time.time()
+    together = watch({name: start(name) for name in ("a", "b")})
+    report["co_located"] = {"wall_seconds": round(time.time() - began, 3), "trials": together}
+    loops = {how: sum(t["step_loop_seconds"] for t in report[how]["trials"].values()) for how in ("in_a_row", "co_located")}
+    report["slowdown_per_trial"] = round(loops["co_located"] / loops["in_a_row"], 3) if loops["in_a_row"] else None
+    report["wall_ratio"] = round(report["co_located"]["wall_seconds"] / report["in_a_row"]["wall_seconds"], 3)
+    (folder / "colocate.json").write_text(json.dumps(report, indent=1) + "\n")
+    return {"colocate": "colocate.json", "wall_ratio": report["wall_ratio"],
+            "slowdown_per_trial": report["slowdown_per_trial"]}
+
+
 def run_job(job: dict, folder: Path) -> dict:
+    if job["kind"] == "colocate":
+        return run_colocate(job, folder)
     if job["kind"] == "calibrate":
         return run_calibrate(job, folder)
     if job["kind"] == "merl":
@@ -353,10 +436,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run the plan on a CPU, tiny presets, no GPU figures")
     parser.add_argument("--dry-compile", action="store_true", help="in a dry run, compile too (slow on a CPU)")
     parser.add_argument("--only", nargs="+", metavar="KIND", help="run only these job kinds "
-                        "(events measure compiled calibrate merl)")
+                        "(events measure compiled calibrate colocate merl)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.trial:   # a co-location trial: one JSON line on stdout
+        print(json.dumps(run_trial(json.loads(args.trial))))
+        return 0
     if args.job:     # a child: one job, one JSON line on stdout
         print(json.dumps(run_job(json.loads(args.job), args.folder)))
         return 0

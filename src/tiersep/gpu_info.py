@@ -10,8 +10,10 @@ process sees as cuda:0: the first entry of CUDA_VISIBLE_DEVICES (an index or a G
 a GPU lease (tiersep.gpu_lease) every reading is of the leased GPU.
 
 Test-only seam: TIERSEP_FAKE_GPUS replaces NVML with a made-up machine, "N" (N identical 24 GiB
-GPUs) or a JSON list of {"name", "total", "free", "uuid"} (bytes; every key optional), so that
-GPU leases can be tested on a machine without GPUs. No user setting should ever set it.
+GPUs) or a JSON list of {"name", "total", "free", "uuid", "processes"} (bytes; every key optional;
+processes: [{"pid", "name", "used"}]), or "@FILE" naming a file that holds such a list and is read
+again at every call (a machine whose memory changes while a test runs), so that GPU leases and
+bookings can be tested on a machine without GPUs. No user setting should ever set it.
 """
 from __future__ import annotations
 
@@ -45,11 +47,17 @@ def _fake_devices() -> list[dict] | None:
     text = os.environ.get(FAKE_GPUS_ENV)
     if text is None:
         return None
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
     given = json.loads(text)
     listed = [{} for _ in range(given)] if isinstance(given, int) else list(given)
     return [{"index": i, "name": d.get("name", f"Fake GPU {i}"), "uuid": d.get("uuid"),
              "total_bytes": int(d.get("total", FAKE_GIB * 2**30)),
-             "free_bytes": int(d.get("free", d.get("total", FAKE_GIB * 2**30)))} for i, d in enumerate(listed)]
+             "free_bytes": int(d.get("free", d.get("total", FAKE_GIB * 2**30))),
+             "processes": [{"pid": int(p["pid"]), "name": p.get("name"),
+                            "used_bytes": int(p["used"]) if p.get("used") is not None else None}
+                           for p in d.get("processes", [])]} for i, d in enumerate(listed)]
 
 
 def devices() -> list[dict] | None:
@@ -153,6 +161,21 @@ def free_bytes(index: int | None = None) -> int | None:
         return None
 
 
+def used_bytes(index: int | None = None) -> int | None:
+    """Used memory of GPU `index` in bytes (total - free: what nvidia-smi shows as used, contexts
+    included; default this process's cuda:0), or None without NVML."""
+    index = _cuda0(index)
+    if os.environ.get(FAKE_GPUS_ENV) is not None or index is None:
+        fake = _fake(index)
+        return None if fake is None else fake["total_bytes"] - fake["free_bytes"]
+    try:
+        with _nvml() as nvml:
+            memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
+            return int(memory.total) - int(memory.free)
+    except Exception:  # ImportError, NVMLError
+        return None
+
+
 def processes(index: int | None = None, exclude_pid: int | None = None) -> list[dict] | None:
     """Processes holding memory on GPU `index` (default this process's cuda:0): [{"pid", "name",
     "used_bytes"}], largest first, without `exclude_pid` (e.g. the caller itself); None without
@@ -160,7 +183,8 @@ def processes(index: int | None = None, exclude_pid: int | None = None) -> list[
     usage)."""
     index = _cuda0(index)
     if os.environ.get(FAKE_GPUS_ENV) is not None or index is None:
-        return [] if _fake(index) else None   # a fake GPU runs nothing
+        fake = _fake(index)
+        return None if fake is None else [p for p in fake["processes"] if p["pid"] != exclude_pid]
     try:
         with _nvml() as nvml:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)

@@ -8,6 +8,8 @@ process starts), then
   runs it (trial_process.py). Each validation SI-SDR in metrics.csv is reported to the trial as it
   appears; when the pruner says stop, the trial gets SIGUSR1, checkpoints, exits 75, and is told
   PRUNED ("pruned at step S"); a finished run is told COMPLETE with its last validation SI-SDR.
+On a GPU the trial is placed first (packing.py): it books its predicted memory on a GPU and waits
+while no GPU takes it; its process inherits the booking.
 
 Resumable: the storage holds every decision. A rerun of the same command finds the trials a dead
 orchestrator left RUNNING: one that was being pruned is told PRUNED, one whose run finished is
@@ -32,10 +34,12 @@ import optuna
 from optuna.trial import TrialState
 
 from tiersep import config as C
+from tiersep import gpu_lease
 from tiersep.io import write_json, write_text
 
 from . import outputs, owners, table, trial_process
 from .admit import Admission, Admitter, budget_bytes, estimate_device
+from .packing import Placer
 from .space import grid_size, parse_space, trial_preset
 from .study import open_study, prunes, reseed
 
@@ -80,6 +84,8 @@ class Search:
         self.single, self.launched = single, False   # --single-trial: a worker that runs one trial and ends
         self.admitter = Admitter(cfg, self.search, self.device, self.budget)
         self.running: dict[int, Running] = {}
+        gpus = gpu_lease.visible_gpus() if self.device == "cuda" else []
+        self.placer = Placer(gpus, self.say) if gpus else None   # None: a CPU, or no GPU NVML can see
         self._prepared: dict[int, Path] = {}
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -98,6 +104,8 @@ class Search:
                      f"{self.search['pruner'] if self.prunes else 'no'} pruner, budget {self.budget / GIB:.2f} "
                      f"GiB ({self.device}), {self.search['parallel']} at once"
                      f"{', one trial in this process' if self.single else ''}; storage in {self.folder}")
+            if self.placer:
+                self.placer.reset_baselines()
             self.loop()
         finally:
             if hasattr(self, "heart"):
@@ -108,7 +116,8 @@ class Search:
 
     def loop(self) -> None:
         """Run trials until the study holds `trials` of them; with other orchestrators on the same
-        study, wait for theirs too and take over any they abandon (owners.py)."""
+        study, wait for theirs too and take over any they abandon (owners.py). An admitted trial
+        waiting for a GPU to take its booking (packing.py) holds its slot."""
         every, checked = self.search["heartbeat_seconds"] / 3, -math.inf
         while True:
             if time.monotonic() - checked >= every:
@@ -116,7 +125,8 @@ class Search:
                 checked = time.monotonic()
             while self.free_slots() and self.claim_next():
                 pass
-            if not self.running:
+            self.place()
+            if not self.running and not self.waiting():
                 counted, running = self.census()
                 if self.single and (self.launched or counted + running >= self.total):
                     break
@@ -129,8 +139,22 @@ class Search:
     def free_slots(self) -> int:
         """Trials this process may still start now: `parallel` at once, or one in all with --single-trial."""
         if self.single:
-            return 0 if self.launched or self.running else 1
-        return self.search["parallel"] - len(self.running)
+            return 0 if self.launched or self.running or self.waiting() else 1
+        return self.search["parallel"] - len(self.running) - self.waiting()
+
+    def waiting(self) -> int:
+        """Admitted trials waiting for a GPU to take their booking."""
+        return len(self.placer.waiting) if self.placer else 0
+
+    def mine(self, number: int) -> bool:
+        """Whether this process runs trial `number`, or holds it waiting for a GPU."""
+        held = self.placer.waiting if self.placer else []
+        return number in self.running or any(w.trial.number == number for w in held)
+
+    def place(self) -> None:
+        if self.placer:
+            for waiting, booking in self.placer.place(idle=not self.running):
+                self.spawn(waiting.trial, waiting.admission, waiting.resume, booking)
 
     def census(self) -> tuple[int, int]:
         """(trials that ended and count towards `trials`, trials RUNNING under any orchestrator);
@@ -159,7 +183,7 @@ class Search:
         taken = []
         with self.lock:
             for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if len(taken) >= self.free_slots() or frozen.number in self.running:
+                if len(taken) >= self.free_slots() or self.mine(frozen.number):
                     continue
                 why = owners.abandoned(frozen.user_attrs, self.owner, self.search["heartbeat_seconds"])
                 if why is not None:
@@ -227,17 +251,29 @@ class Search:
         run_dir, preset_file, estimate_file, log = self.paths(trial.number)
         write_text(preset_file, C.dump_preset(a.preset))
         write_json(estimate_file, {**a.estimate, "preset": a.preset["name"]})
+        self.launched = True
+        if self.placer:
+            self.placer.queue(trial, a, resume)
+        else:
+            self.spawn(trial, a, resume, None)
+
+    def spawn(self, trial, a: Admission, resume: bool, booking: gpu_lease.Booking | None) -> None:
+        run_dir, preset_file, estimate_file, log = self.paths(trial.number)
         data = self.data_for(a.preset)
         launches = int(trial.user_attrs.get("launches", 0)) + 1
         trial.set_user_attr("launches", launches)
-        self.launched = True
-        process = trial_process.start(self.source, preset_file, data, run_dir, estimate_file, log, resume)
+        process = trial_process.start(self.source, preset_file, data, run_dir, estimate_file, log, resume, booking)
+        if booking is not None:
+            trial.set_user_attr("gpu", booking.record())
         trial.set_user_attr("pid", process.pid)
         trial.set_user_attr("pid_started", trial_process.process_started(process.pid))
         self.running[trial.number] = Running(trial, process, run_dir, log, time.monotonic())
         what = {"fits": "fits", "repaired": f"repaired ({'; '.join(a.levers)})"}[a.verdict]
+        where = (f"; {booking.bytes / GIB:.2f} GiB booked on {booking.gpu.label()}"
+                 + (f" after waiting {booking.waited_seconds:.1f} s" if booking.waited_seconds >= 1 else "")
+                 if booking is not None else "")
         self.say(f"trial {trial.number}: {what}, booked {a.booking_bytes / GIB:.2f} GiB of "
-                 f"{a.budget_bytes / GIB:.2f}; {'resumed' if resume else 'started'} pid {process.pid}")
+                 f"{a.budget_bytes / GIB:.2f}{where}; {'resumed' if resume else 'started'} pid {process.pid}")
 
     def poll(self, r: Running) -> None:
         """Report new validations, ask the pruner, and collect the process when it has ended."""

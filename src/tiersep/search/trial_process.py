@@ -7,6 +7,9 @@ SIGUSR1, the cluster-preemption signal (train/signals.py): the trainer writes ch
 at the next step boundary and exits 75. The child also gets SIGUSR1 when the orchestrator dies
 (prctl PR_SET_PDEATHSIG), so a SIGKILLed search leaves checkpoints, not orphans, and the rerun
 resumes them.
+On a GPU the orchestrator has booked the trial's memory (packing.py): the process gets the
+booking's descriptors (so the booking lives exactly as long as it does) and that GPU alone, with
+TIERSEP_GPU_LEASE_HELD telling its own lease that the booking covers it.
 """
 from __future__ import annotations
 
@@ -33,17 +36,32 @@ def _die_with_parent() -> None:   # runs in the child between fork and exec
 
 
 def start(config_file: str, preset_file: Path, data: Path, run_dir: Path, estimate_file: Path,
-          log_file: Path, resume: bool) -> subprocess.Popen:
+          log_file: Path, resume: bool, booking=None) -> subprocess.Popen:
+    """Start the trial's `tiersep train`; `booking` (a gpu_lease.Booking) is handed over to it."""
     cmd = [sys.executable, "-m", "tiersep.cli", "train", "--config", config_file, "--preset", str(preset_file),
            "--data", str(data), "--out", str(run_dir), "--estimate", str(estimate_file)]
     if resume:
         cmd.append("--resume")
+    env, fds = None, ()
+    if booking is not None:
+        from tiersep import gpu_lease
+
+        env = {**os.environ, gpu_lease.VISIBLE_ENV: booking.gpu.entry, gpu_lease.HELD_ENV: booking.gpu.entry}
+        fds = booking.fds
     log = open(log_file, "a")
     try:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                   pass_fds=fds, start_new_session=True, preexec_fn=_die_with_parent)
+    except BaseException:
+        if booking is not None:
+            booking.release()
+        raise
     finally:
         log.close()
+    if booking is not None:   # the child holds the booking's locks now; this process lets go of its copies
+        booking.hand_to(process.pid, f"tiersep train of search trial {run_dir.name}")
+        booking.release()
+    return process
 
 
 def validations(run_dir: Path) -> list[tuple[int, float]]:
