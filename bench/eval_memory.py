@@ -41,7 +41,7 @@ def child_separate(args) -> None:
     import torch
 
     from tiersep.config import load_config, load_preset
-    from tiersep.evaluate.separate import separate
+    from tiersep.separate.overlap_add import separate_track as separate
     from tiersep.memory.tracker import StorageTracker
     from tiersep.model import build_model
 

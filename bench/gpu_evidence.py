@@ -133,7 +133,7 @@ def run_compiled(job: dict, preset: dict) -> dict:
     import torch
 
     from tiersep.model.compile import compile_model
-    from tiersep.train.step import train_step
+    from tiersep.model.step import train_step
 
     estimate = _trace_estimate(preset, job)
     device = "cpu" if job["dry_run"] else "cuda"
@@ -192,7 +192,7 @@ def _cpu_events(preset: dict):
     """Dry run: the CPU step's allocation sequence (StorageTracker on real tensors) in the log's
     format, each allocation at its own made-up address: it exercises the writer, it is no GPU log."""
     from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
-    from tiersep.train.step import train_step
+    from tiersep.model.step import train_step
 
     work = _workload(preset, "cpu")
     tracker = StorageTracker(cpu_block_bytes)

@@ -65,7 +65,7 @@ from tiersep.config import load_preset, validate  # noqa: E402
 from tiersep.memory.tracker import StorageTracker  # noqa: E402
 from tiersep.model import build_loss, build_model, count_parameters  # noqa: E402
 from tiersep.model.tflocoformer import RotaryEmbedding  # noqa: E402
-from tiersep.train.step import make_optimizer, train_step  # noqa: E402
+from tiersep.model.step import make_optimizer, train_step  # noqa: E402
 
 SEPARATOR_FILE = "espnet2/enh/separator/tflocoformer_separator.py"
 MiB = 2 ** 20

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tiersep import config as C
 from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
 from tiersep.memory.workload import build_workload
-from tiersep.train.step import train_step
+from tiersep.model.step import train_step
 
 
 def peak_from(timeline, start: int) -> int:

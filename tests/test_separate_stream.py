@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tiersep import config as C
-from tiersep.evaluate.separate import OverlapAdd, ShiftAverage, separate
+from tiersep.separate.overlap_add import OverlapAdd, ShiftAverage
+from tiersep.separate.overlap_add import separate_track as separate
 from tiersep.memory.inference import trace_inference
 from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
 from tiersep.model import build_model

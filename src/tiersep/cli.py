@@ -39,7 +39,7 @@ def _parse_set(text: str) -> tuple[str, object]:
     try:
         return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
     except yaml.YAMLError as err:   # (NaN and inf are refused when the preset is validated)
-        raise argparse.ArgumentTypeError(C.one_line(f"{key}: not a YAML value ({str(err).splitlines()[0]})")) from None
+        raise argparse.ArgumentTypeError(C.escape_line_breaks(f"{key}: not a YAML value ({str(err).splitlines()[0]})")) from None
 
 
 def _schema_number(schema_name: str, dotted: str, kind):
@@ -265,7 +265,7 @@ def _estimate_records(folder: str | None, tiers: list[str]) -> dict[str, dict]:
         try:
             record = read_record("estimate", Path(folder) / f"{tier}.json")
         except RecordError as err:   # damaged: traced instead
-            print(f"tiersep fit: {C.one_line(str(err))}; tracing {tier} instead", file=sys.stderr)
+            print(f"tiersep fit: {C.escape_line_breaks(str(err))}; tracing {tier} instead", file=sys.stderr)
             continue
         if record is not None:
             records[tier] = record
@@ -294,12 +294,19 @@ def lease_gpu(wanted_device: str, job: str, count: int = 1):
     return gpu_lease.lease_for_device(wanted_device, job, count)
 
 
+def load_trainer():
+    """The train command's function; importing it is what a train process imports before it builds
+    anything (memory/cpu_booking.py's probe imports it the same way)."""
+    from tiersep.train.trainer import train
+
+    return train
+
+
 def cmd_train(args, cfg):
     preset = resolve_preset(args.preset, cfg, args.set)
     t = preset["train"]
     lease_gpu(t["device"], "train", count=max(1, t.get("ranks", 1) // t.get("nodes", 1)))
-    from tiersep.train.trainer import train   # after the lease: nothing may start CUDA before it
-
+    train = load_trainer()   # after the lease: nothing may start CUDA before it
     return train(cfg, preset, Path(args.data), Path(args.out), resume=args.resume,
                  estimate_path=Path(args.estimate) if args.estimate else None, attempt=args.attempt,
                  outcome_path=Path(args.outcome) if args.outcome else None)
@@ -557,12 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, cfg) or 0
     except C.ConfigError as err:
         # one line, whatever a path, key or value holds
-        print(f"tiersep {args.command}: error: {C.one_line(str(err))}", file=sys.stderr)
+        print(f"tiersep {args.command}: error: {C.escape_line_breaks(str(err))}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
     except OSError as err:
         if not _names_an_input(err, args):
             raise
-        print(C.one_line(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
+        print(C.escape_line_breaks(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
                          f"({err.strerror or err})"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -35,9 +35,17 @@ class ConfigError(ValueError):
 
 
 class DoesNotFit(ConfigError):
-    """Nothing the user asked for fits the memory budget (exit 3, as a refused train)."""
+    """Nothing the user asked for fits the memory budget (exit 3, as a refused train): the fit gate's
+    refusal (memory/gate.py, with its estimate, the budget and what would fit), a separation plan
+    or a fit search that finds nothing. The message says what fits."""
 
     exit_code = 3
+
+    def __init__(self, message: str, estimate: dict | None = None, budget_bytes: int | None = None,
+                 suggestion: list[str] | None = None, fitted: dict | None = None):
+        super().__init__(message)
+        self.estimate, self.budget_bytes, self.suggestion = estimate, budget_bytes, suggestion
+        self.fitted = fitted  # the variant that fits (what on_oversize: adapt trains), if any
 
 
 # Bounds on what one YAML input may cost to read: configs and presets are a few KiB with no
@@ -187,7 +195,7 @@ _SHORT_REPR.maxother = 40
 _LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
-def one_line(text: str) -> str:
+def escape_line_breaks(text: str) -> str:
     """`text` with its line breaks written as escapes (\\n, \\x1d, ...)."""
     return text.translate(_LINE_BREAKS)
 

@@ -143,7 +143,7 @@ def _warm_training_step(torch) -> None:
     """One fp32 and one bf16 training step of a tiny tiersep model: loads the kernels training uses."""
     from tiersep import config as C
     from tiersep.memory.workload import build_workload
-    from tiersep.train.step import train_step
+    from tiersep.model.step import train_step
 
     preset = C.validate({"name": "calibrate", "audio": {"sample_rate": 8000, "segment_samples": 8000,
                                                         "n_fft": 256, "hop": 64},

@@ -27,12 +27,12 @@ import time
 
 import torch
 
-from . import accuracy, analytic, calibration, cpu_process, ranks
+from . import accuracy, analytic, calibration, cpu_booking, ranks
 from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY
 from .cuda_model import modelled_backend
 from .trace import trace_step
 from tiersep.device import planned_allocator
-from tiersep.model.compile import compiles, one_line
+from tiersep.model.compile import compiles, error_chain
 
 METHODS = ("trace", "analytic", "measure")
 
@@ -94,7 +94,7 @@ def with_booking(record: dict, preset: dict) -> dict:
     """Add what the CPU gate books for the whole train process around the live bytes (cpu only; a
     data-parallel rank's process also holds gloo's buffers)."""
     if record["device"] == "cpu":
-        record["cpu_process"] = cpu_process.booking(record, preset)
+        record["cpu_process"] = cpu_booking.booking(record, preset)
         if record.get("data_parallel"):
             record["cpu_process"] = ranks.book_host_communicator(record["cpu_process"])
     return record
@@ -108,7 +108,7 @@ def _ranks_per_node(record: dict) -> int:
 def required_bytes(record: dict) -> int:
     """What the fit gate books for an estimate: on CUDA the predicted device use (peak_bytes) times
     (1 + the uncertainty of its class), so that a class known to err is never trusted as exact; on
-    CPU the predicted peak RSS of the whole train process (memory.cpu_process). Data-parallel: per
+    CPU the predicted peak RSS of the whole train process (memory/cpu_booking.py). Data-parallel: per
     rank on CUDA (each rank has its GPU); on CPU the ranks of a node share its RAM, so a rank's
     process times the ranks per node."""
     if record["device"] == "cpu" and record.get("cpu_process"):
@@ -123,7 +123,7 @@ def finish(record: dict, budget_bytes: int | None, safety_margin: float, seconds
     margin = int(safety_margin * budget_bytes) if budget_bytes is not None else None
     if record["device"] == "cpu" and record.get("cpu_process"):   # the malloc mode this budget allows
         share = budget_bytes // _ranks_per_node(record) if budget_bytes is not None else None
-        record["cpu_process"] = cpu_process.choose_malloc(record["cpu_process"], share, safety_margin)
+        record["cpu_process"] = cpu_booking.choose_malloc(record["cpu_process"], share, safety_margin)
     record["gate_required_bytes"] = required_bytes(record)
     record["budget_bytes"] = int(budget_bytes) if budget_bytes is not None else None
     record["safety_margin"] = safety_margin
@@ -164,7 +164,7 @@ def _traced(preset: dict, device: str, cal: dict | None, compiled: bool):
         try:
             return _trace(preset, device, cal, True), f"{setting}: the compiled step (memory/compiled.py)"
         except Exception as err:  # noqa: BLE001 - any failure of the compiled trace: eager is an upper bound
-            why_eager = f", but the compiled trace failed ({one_line(err)}): the eager step, an upper bound"
+            why_eager = f", but the compiled trace failed ({error_chain(err)}): the eager step, an upper bound"
     return _trace(preset, device, cal, False), setting + why_eager
 
 

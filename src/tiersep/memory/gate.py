@@ -5,23 +5,15 @@ trainer hands in: on CUDA the configured budget_gib capped by the GPU's free mem
 machine's available RAM (psutil). What it books is the estimate's `gate_required_bytes`
 (estimate.required_bytes): on CUDA the predicted device use times (1 + the uncertainty of the
 estimate's class, memory/accuracy.py), on CPU the predicted RSS of the whole train process
-(memory.cpu_process); then the safety margin of the budget on top.
+(memory/cpu_booking.py); then the safety margin of the budget on top.
 """
 from __future__ import annotations
+
+from tiersep.config import DoesNotFit
 
 from .constants import GIB
 from .estimate import estimate as make_estimate
 from .estimate import finish
-
-
-class DoesNotFit(Exception):
-    """The estimated peak plus the safety margin exceeds the budget; the message says what fits."""
-
-    def __init__(self, message: str, estimate: dict | None = None, budget_bytes: int | None = None,
-                 suggestion: list[str] | None = None, fitted: dict | None = None):
-        super().__init__(message)
-        self.estimate, self.budget_bytes, self.suggestion = estimate, budget_bytes, suggestion
-        self.fitted = fitted  # the variant that fits (what on_oversize: adapt trains), if any
 
 
 def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin: float,

@@ -235,7 +235,7 @@ def rank_required_bytes(record: dict) -> int:
 
 
 def book_host_communicator(booked: dict) -> dict:
-    """A CPU rank's process booking (cpu_process.booking) with gloo's host memory added."""
+    """A CPU rank's process booking (cpu_booking.booking) with gloo's host memory added."""
     booked = dict(booked, communicator_bytes=GLOO_COMMUNICATOR_BYTES)
     for mode in ("glibc_default", "tuned"):
         if mode in booked:

@@ -30,7 +30,7 @@ from .compiled import CompiledStepTracker, compile_now
 from .cuda_model import CudaEmulation, CudaKernelMemory
 from .tracker import FORWARD, UPDATE, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
-from tiersep.train.step import train_step
+from tiersep.model.step import train_step
 
 # In torch's counters: the cuBLAS workspace torch allocates through the caching allocator for each
 # thread's handle on its first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB
