@@ -105,7 +105,7 @@ def _device_counters(torch) -> dict:
 def _workload(preset: dict, device: str):
     import torch
 
-    from tiersep.memory.workload import build_workload
+    from tiersep.memory.trace.workload import build_workload
 
     torch.manual_seed(preset["train"]["seed"])
     return build_workload(preset, device, lambda *shape: 0.1 * torch.randn(shape, device=device))
@@ -182,7 +182,7 @@ def run_events(job: dict, preset: dict, folder: Path) -> dict:
            "result": {"name": _slug(job["name"]), "steps": LOG_STEPS, "alloc_conf": os.environ.get(
                "PYTORCH_CUDA_ALLOC_CONF"), "dry_run": job["dry_run"], **result}}
     path.write_bytes(gzip.compress(json.dumps(log).encode()))
-    from tiersep.memory.allocator import load_event_log
+    from tiersep.memory.trace.allocator import load_event_log
 
     load_event_log(path)    # written as bench/allocator_replay.py and trace_vs_events.py read it
     return {"events_file": str(path.relative_to(folder)), "events": len(events)}
@@ -191,7 +191,7 @@ def run_events(job: dict, preset: dict, folder: Path) -> dict:
 def _cpu_events(preset: dict):
     """Dry run: the CPU step's allocation sequence (StorageTracker on real tensors) in the log's
     format, each allocation at its own made-up address: it exercises the writer, it is no GPU log."""
-    from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
+    from tiersep.memory.trace.tracker import StorageTracker, cpu_block_bytes
     from tiersep.model.step import train_step
 
     work = _workload(preset, "cpu")

@@ -234,7 +234,7 @@ def cmd_fit_matrix(args, cfg):
     """`fit --gpus`: the nearest fitting variant of each preset for every budget, as a table;
     --json writes the fit_matrix record, --out DIR one preset per cell that fits."""
     from tiersep.io import write_json
-    from tiersep.memory import fit_matrix
+    from tiersep.memory.fit import matrix as fit_matrix
     from tiersep.records import validate_record
 
     if args.device not in (None, "auto", "cuda"):

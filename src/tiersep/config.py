@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 
 class DoesNotFit(ConfigError):
     """Nothing the user asked for fits the memory budget (exit 3, as a refused train): the fit gate's
-    refusal (memory/gate.py, with its estimate, the budget and what would fit), a separation plan
+    refusal (memory/fit/gate.py, with its estimate, the budget and what would fit), a separation plan
     or a fit search that finds nothing. The message says what fits."""
 
     exit_code = 3

@@ -132,8 +132,7 @@ def probe_train_process() -> None:
     import torch
 
     from tiersep import config
-    from tiersep.memory.trace import trace_step
-    from tiersep.memory.workload import build_workload
+    from tiersep.memory.trace import build_workload, trace_step
     from tiersep.model.step import train_step
     from tiersep.probe import peak_rss_bytes
 

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import allocator, calibration, cpu_booking
+from . import calibration, cpu_booking
 from .accuracy import NO_EVIDENCE_UNCERTAINTY
+from .conditions import decide
 from .constants import CPU_UNCERTAINTY
-from .cuda_model import CudaEmulation, CudaKernelMemory, modelled_backend
 from .estimate import finish
-from .trace import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, _emulated, _move_order, _peak_from, repeat_steps
-from .tracker import StorageTracker, cpu_block_bytes, cuda_block_bytes
-from tiersep.device import planned_allocator
+from .trace import (CUBLAS_WORKSPACE_BYTES, STEPS, CudaEmulation, CudaKernelMemory, RecordedStep, StorageTracker,
+                    allocator, cpu_block_bytes, cuda_block_bytes, emulated, move_order, peak_from,
+                    repeat_steps)
 
 # Whole-process RSS per live tensor byte of a model call above the allowance, in each malloc mode of
 # the CPU gate (cpu_process), measured by bench/separate.py (bench/results/separate_cpu.md) between a
@@ -81,9 +81,9 @@ def record_calls(preset: dict, device: str, chunk_samples: int, batch: int,
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*autocast.*")
         model = build_model(preset).eval()
-        weights = set(tracker.register([x for x in _move_order(model) if x is not None]))
+        weights = set(tracker.register([x for x in move_order(model) if x is not None]))
         start = len(tracker.timeline.events)
-        with _emulated(model, tracker, emulation, bf16) as stack:
+        with emulated(model, tracker, emulation, bf16) as stack:
             stack.enter_context(tracker)
             # on cuda the forward hooks hold CUDA's autocast policy; on cpu the real CPU autocast
             stack.enter_context(autocast(preset["train"]["precision"], "cpu", outer_off=True)
@@ -110,7 +110,7 @@ def trace_inference(preset: dict, device: str, chunk_samples: int, batch: int,
     on cpu (its peak of live bytes), `calls` on cuda, replayed through the caching-allocator model."""
     rec, io = record_calls(preset, device, chunk_samples, batch, workspace_bytes)
     timeline, starts = repeat_steps(rec, calls if device == "cuda" else 1)
-    peak, at = _peak_from(timeline, starts[0], set())
+    peak, at = peak_from(timeline, starts[0], set())
     reserved = None
     if device == "cuda":
         stats = allocator.replay(timeline, expandable_segments=expandable_segments)
@@ -138,9 +138,9 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
     buffers. `gate_required_bytes` and `fits` as the fit gate sets them (estimate.finish)."""
     began = time.time()
     cal = calibration.resolve(calibration_spec) if device == "cuda" else None
-    expandable = planned_allocator(preset)["expandable_segments"] if device == "cuda" else False
+    cond = decide(preset, device, compiled=False)          # separation runs the eager model
     r = trace_inference(preset, device, chunk_samples, batch,
-                        cal["cublas_workspace_bytes"] if cal else CUBLAS_WORKSPACE_BYTES, expandable)
+                        cal["cublas_workspace_bytes"] if cal else CUBLAS_WORKSPACE_BYTES, cond.expandable_segments)
     live = r.allocated_peak
     peak = r.reserved_peak + cal["context_bytes"] if cal else live
     activations = max(0, live - r.weights)
@@ -154,13 +154,13 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
         "breakdown": {"weights": r.weights, "gradients": 0, "optimizer": 0, "activations": activations,
                       "transient": 0, "overhead": int(peak - live)},
         "io_bytes": r.io_bytes, "peak_op": r.peak_op,
-        "attention_backend": max(r.kernels, key=r.kernels.get) if r.kernels else modelled_backend(preset, device),
+        "attention_backend": max(r.kernels, key=r.kernels.get) if r.kernels else cond.attention,
         "uncertainty": NO_EVIDENCE_UNCERTAINTY if device == "cuda" else CPU_UNCERTAINTY,
         "uncertainty_evidence": (f"no GPU measurement of separation (a forward in inference mode) yet: booked "
                                  f"conservatively at {NO_EVIDENCE_UNCERTAINTY:.0%}" if device == "cuda" else
                                  "the CPU trace counts a real call's live bytes (tests/test_separate_stream.py)"),
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
-        "allocator": {"expandable_segments": expandable} if device == "cuda" else None,
+        "allocator": cond.allocator_record(),
         "notes": r.notes, "torch": torch.__version__,
     }
     if device == "cpu":

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tracker import FORWARD, StorageTracker, cpu_block_bytes
-from .workload import build_workload
+from .trace import FORWARD, StorageTracker, build_workload, cpu_block_bytes
 from tiersep.device import device_type
 from tiersep.model.step import train_step
 from tiersep.probe import peak_rss_bytes

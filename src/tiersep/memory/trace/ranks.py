@@ -39,9 +39,9 @@ import dataclasses
 
 import torch
 
-from .constants import MIB
+from ..constants import MIB
 from .tracker import SETUP, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
-from .trace import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, TraceResult, record_step, summarize
+from .step import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, TraceResult, record_step, summarize
 
 # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB (torch/nn/parallel/distributed.py), and the
 # first bucket's limit, torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (reducer.hpp

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from tiersep.config import DoesNotFit
 
-from .constants import GIB
-from .estimate import estimate as make_estimate
-from .estimate import finish
+from ..constants import GIB
+from ..estimate import estimate as make_estimate
+from ..estimate import finish
 
 
 def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin: float,
@@ -22,7 +22,7 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
     estimate the compiled (True) or eager (False) step; None: as the preset will run."""
     device_type = "cuda" if device_type == "cuda" else "cpu"
     if estimate is not None and estimate.get("ranks", 1) != preset["train"].get("ranks", 1):
-        estimate = None    # made for another number of ranks: a rank's figures differ (memory/ranks.py)
+        estimate = None    # made for another number of ranks: a rank's figures differ (memory/trace/ranks.py)
     if estimate is None:
         estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec,
                                  compiled=compiled)
@@ -48,7 +48,7 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
              f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
     suggestion = fitted = None
     try:
-        from .fit import fit
+        from .search import fit
 
         fitted, suggestion = fit(preset, budget_bytes, device_type, safety_margin, calibration_spec)
         hint = (f"nearest change that fits: {'; '.join(suggestion)} (`tiersep fit --preset "
