@@ -34,7 +34,7 @@ or a sweep trial name (see `sweep` in the config).
 
 def _parse_set(text: str) -> tuple[str, object]:
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {C._short(text)}")
+        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {C.short_repr(text)}")
     key, value = text.split("=", 1)
     try:
         return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
@@ -59,9 +59,9 @@ def _schema_number(schema_name: str, dotted: str, kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{C._short(text)} is not {what} ({allowed})") from None
+            raise argparse.ArgumentTypeError(f"{C.short_repr(text)} is not {what} ({allowed})") from None
         if kind is int and not -2**63 <= value < 2**63:   # as in a config (C._check_numbers)
-            raise argparse.ArgumentTypeError(f"{C._short(value)} is too large (beyond a 64-bit integer)")
+            raise argparse.ArgumentTypeError(f"{C.short_repr(value)} is too large (beyond a 64-bit integer)")
         if not math.isfinite(value) or (low is not None and value < low) or \
                 (high is not None and value > high) or (above is not None and value <= above):
             raise argparse.ArgumentTypeError(f"{value} is out of range ({what} {allowed}, as {dotted} in "
@@ -77,7 +77,7 @@ def _whole_number(low: int, high: int | None, why: str):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= {low}") from None
+            raise argparse.ArgumentTypeError(f"{C.short_repr(text)} is not an integer >= {low}") from None
         if value < low or (high is not None and value > high):
             bounds = f">= {low}" if high is None else f"{low} to {high}"
             raise argparse.ArgumentTypeError(f"{value}: must be {bounds} ({why})")

@@ -58,6 +58,8 @@ def under_torchrun() -> bool:
 
 
 def is_data_parallel(preset: dict) -> bool:
+    """Whether this train process runs data-parallel: the preset asks for ranks, or torchrun started
+    it (a rank). What an estimate models is the preset's alone (memory/conditions.py: ranks > 1)."""
     return preset["train"]["ranks"] > 1 or under_torchrun()
 
 
