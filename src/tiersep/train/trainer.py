@@ -32,6 +32,7 @@ from tqdm import tqdm
 from tiersep.config import ConfigError
 from tiersep.io import write_json
 from tiersep.malloc import release_heap, trimmed_heap
+from tiersep.model.step import make_optimizer, train_step
 from tiersep.outputs import claim, exclusive, move_aside, only_names
 from tiersep.train import checkpoint as ckpt
 from tiersep.train import distributed, launch, record
@@ -40,7 +41,6 @@ from tiersep.train.plan import RunPlan, plan_run
 from tiersep.train.resume import extension
 from tiersep.train.schedule import Schedule
 from tiersep.train.signals import StopFlag, stop_on_signals
-from tiersep.model.step import make_optimizer, train_step
 from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog, SegmentTrace
 from tiersep.train.validation import validate
 
