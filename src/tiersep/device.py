@@ -1,4 +1,5 @@
-"""Which device a job runs on (the one rule: device_type), and the CUDA allocator settings it runs with (train and evaluate).
+"""Which device a job runs on (the one rule: device_type), and the CUDA allocator settings it runs
+with (train and evaluate).
 
 Both are decided before CUDA is initialised: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
 once, when CUDA starts in this process.

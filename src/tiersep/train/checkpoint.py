@@ -10,9 +10,9 @@ Each new last.pt keeps the one before it as last.prev.pt, so a last.pt damaged a
 load_resume_checkpoint.
 
 Every file is read with `torch.load(weights_only=True)` (model/weights.py): tensors and plain
-Python values only, so no code runs from a checkpoint, whoever wrote it. The RNG states are stored as tensors and plain
-numbers for that reason; a file that carries any other object is refused as untrusted
-(UntrustedFile), never quietly skipped.
+Python values only, so no code runs from a checkpoint, whoever wrote it. The RNG states are stored
+as tensors and plain numbers for that reason; a file that carries any other object is refused as
+untrusted (UntrustedFile), never quietly skipped.
 """
 from __future__ import annotations
 
