@@ -249,7 +249,7 @@ class FitSearch:
         shorter-segment search is centred on a trace of its own mode, not the original's (traced
         once, whatever the budget)."""
         v = self.frugal(self.preset["audio"]["segment_samples"])
-        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v))
+        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v, decide(v, self.device)))
 
     def frugal(self, segment: int | None = None) -> dict:
         """Every lever pulled: micro-batch 1, checkpointing, bf16, a fused kernel; at `segment`
