@@ -19,6 +19,10 @@ accuracy.py    each class's uncertainty, from the GPU evidence (evidence.py writ
 cpu_booking.py what a CPU train process occupies beyond its live tensors: the CPU gate's booking
 constants.py   units and record keys shared by the rooms
 fit/           the budget decisions: gate, the fit search, the fit matrix, the cost of a change
+
+`tiersep.memory.fit` and `.gate` as attributes are the functions exported here, not the modules:
+import a module of the fit room with `from tiersep.memory.fit import matrix`, not
+`import tiersep.memory.fit.matrix` (whose attribute lookup finds the function).
 """
 from .estimate import estimate
 from .fit import DoesNotFit, NothingFits, fit, gate
