@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from tiersep.memory.allocator import (EventLogError, load_event_log, load_expandable_reference,
+from tiersep.memory.trace.allocator import (EventLogError, load_event_log, load_expandable_reference,
                                       replay_report)
 
 MIB = 2**20

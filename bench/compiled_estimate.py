@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_train_support import tiny_preset  # noqa: E402
 
-from tiersep.memory import compiled as compiled_trace  # noqa: E402
+from tiersep.memory.trace import compiled as compiled_trace  # noqa: E402
 from tiersep.memory.measure import measure_step  # noqa: E402
 from tiersep.memory.trace import trace_step  # noqa: E402
-from tiersep.memory.workload import build_workload  # noqa: E402
-from tiersep.train.step import train_step  # noqa: E402
+from tiersep.memory.trace.workload import build_workload  # noqa: E402
+from tiersep.model.step import train_step  # noqa: E402
 
 # name -> overrides of tests/test_train_support.py's tiny preset
 CASES = {

@@ -1,11 +1,11 @@
 """Does the CPU fit gate book the whole train process? Estimate vs booking vs real peak RSS.
 
 For each preset below: the `trace` estimate on cpu (live tensor bytes), the booking of
-tiersep.memory.cpu_process (what the gate compares with the budget), and the peak RSS of a real
+tiersep.memory.cpu_booking (what the gate compares with the budget), and the peak RSS of a real
 `tiersep train` process (a few steps, validation every step, the export at the end), measured
-from outside with os.wait4 through cpu_process.measure_peak_rss. Each preset is trained in both host-malloc
+from outside with os.wait4 through probe.measure_peak_rss. Each preset is trained in both host-malloc
 modes the booking knows: `tuned` (train.host_malloc: tuned, the trainer applies
-cpu_process.configure_malloc()) and `default` (train.host_malloc: glibc_default, glibc as it comes,
+malloc.configure_malloc()) and `default` (train.host_malloc: glibc_default, glibc as it comes,
 what auto picks whenever its booking fits the budget).
 
     python bench/cpu_rss.py                        # all presets -> bench/results/cpu_rss.md
@@ -126,7 +126,8 @@ def measure_preset(name: str, what: str, preset: dict, work: Path, threads: int,
     process in each malloc variant (`jobs` of them at once)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tiersep.memory import cpu_process
+    from tiersep import probe
+    from tiersep.memory import cpu_booking
     from tiersep.memory.estimate import estimate
 
     files = {}
@@ -141,7 +142,7 @@ def measure_preset(name: str, what: str, preset: dict, work: Path, threads: int,
     row = {"preset": name, "what": what, "live_bytes": record["peak_bytes"],
            "grad_accum": preset["train"]["grad_accum"], "checkpointing": preset["model"]["checkpointing"],
            "largest_allocation_bytes": record["largest_allocation_bytes"],
-           "booking": cpu_process.booking(record, preset), "estimate_s": round(time.time() - start, 1),
+           "booking": cpu_booking.booking(record, preset), "estimate_s": round(time.time() - start, 1),
            "runs": {}}
 
     def train(variant):
@@ -150,7 +151,7 @@ def measure_preset(name: str, what: str, preset: dict, work: Path, threads: int,
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
             started = time.time()
-            result = cpu_process.measure_peak_rss(train_command(files[variant], data, out),
+            result = probe.measure_peak_rss(train_command(files[variant], data, out),
                                                   env=child_env(threads), cwd=ROOT, log=log)
         if result["returncode"] != 0:
             raise RuntimeError(f"{name} ({variant}): tiersep train exited {result['returncode']}; see {log_path}")
@@ -375,9 +376,10 @@ def ratio_range(rows, variant: str) -> str:
 
 
 def write_markdown(path: Path, rows, variants, base, info, args) -> None:
-    from tiersep.memory import cpu_process
+    from tiersep import malloc, probe
+    from tiersep.memory import cpu_booking
 
-    env = " ".join(f"{k}={v}" for k, v in cpu_process.malloc_env().items())
+    env = " ".join(f"{k}={v}" for k, v in malloc.malloc_env().items())
     booking = rows[0]["booking"]
     lines = [
         "# CPU fit gate: booking vs the real train process's peak RSS", "",
@@ -387,16 +389,16 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         f"export at the end, dropout 0, 0 loader workers, OMP_NUM_THREADS={args.threads}, no estimate file "
         "(the gate traces in the train process), the process allowance measured afresh first. Presets: "
         "PRESETS in the script.", "",
-        "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: "
+        "- live: the cpu trace's peak_bytes. booking: `cpu_booking.booking` in the variant's mode: "
         f"tuned = {booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
-        "(with checkpointing too: the trainer trims its heap around each block, `cpu_process.trimmed_heap`; "
-        "and it gives its heap back before exit, `cpu_process.release_heap`, so the exit pages count once).",
+        "(with checkpointing too: the trainer trims its heap around each block, `malloc.trimmed_heap`; "
+        "and it gives its heap back before exit, `malloc.release_heap`, so the exit pages count once).",
         "- real: peak RSS of the whole `tiersep train` process, exit included (os.wait4 ru_maxrss through a "
-        "fresh launcher: `cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run, "
+        "fresh launcher: `probe.measure_peak_rss`). growth: (real - RSS at the start of the run, "
         "after the imports) / live. steps/s: run.json's, the whole run (validation after every step).",
-        "- tuned: `train.host_malloc: tuned`, the trainer applies `cpu_process.configure_malloc()` (glibc "
-        f"mmap threshold {cpu_process.MMAP_THRESHOLD // KIB} KiB, trim threshold "
-        f"{cpu_process.TRIM_THRESHOLD // KIB} KiB; the same as `{env}`). default: `train.host_malloc: "
+        "- tuned: `train.host_malloc: tuned`, the trainer applies `malloc.configure_malloc()` (glibc "
+        f"mmap threshold {malloc.MMAP_THRESHOLD // KIB} KiB, trim threshold "
+        f"{malloc.TRIM_THRESHOLD // KIB} KiB; the same as `{env}`). default: `train.host_malloc: "
         "glibc_default`, glibc as it comes (what `auto` picks whenever its booking fits the budget).", "",
         *table(rows, variants), "",
         f"Booking / real, tuned: {ratio_range(rows, 'tuned')}; default: {ratio_range(rows, 'default')} "
@@ -404,7 +406,7 @@ def write_markdown(path: Path, rows, variants, base, info, args) -> None:
         "",
         f"A probe process doing a train process's preset-independent work peaks at "
         f"{base['probe_peak_bytes'] / MIB:.0f} MiB here, exit included (library pages touched by C++ destructors). "
-        f"The booking measures it on the machine it runs on (`cpu_process.process_allowance`: {base['source']}): "
+        f"The booking measures it on the machine it runs on (`cpu_booking.process_allowance`: {base['source']}): "
         "it moves with the machine and with how the page cache holds torch's libraries, and the train "
         "process's peak moves with it.",
     ]
@@ -421,14 +423,15 @@ def kinds(rows) -> list[tuple[str, list]]:
 
 def growth_range(rows, variant: str) -> str:
     """(real peak - the booking's allowance less its exit pages) / live bytes: the factor the booking
-    needed (the exit pages count once, in the floor: cpu_process.booking)."""
+    needed (the exit pages count once, in the floor: cpu_booking.booking)."""
     g = [(r["runs"][variant]["peak_rss_bytes"] - r["booking"]["process_bytes"] + r["booking"]["exit_pages_bytes"])
          / r["live_bytes"] for r in rows]
     return f"{min(g):.2f}-{max(g):.2f}"
 
 
 def write_random_markdown(path: Path, rows, variants, base, info, args, refused: int, seconds: float) -> None:
-    from tiersep.memory import cpu_process
+    from tiersep import malloc, probe
+    from tiersep.memory import cpu_booking
 
     booking = rows[0]["booking"]
     lines = [
@@ -447,19 +450,19 @@ def write_random_markdown(path: Path, rows, variants, base, info, args, refused:
         "checkpoint and the export at the end; the process allowance measured afresh first. "
         f"{refused} draws whose cpu trace exceeded "
         f"{args.max_live_gib:g} GiB of live tensors were drawn again (CPU-sized presets).", "",
-        "- live: the cpu trace's peak_bytes. booking: `cpu_process.booking` in the variant's mode: tuned = "
+        "- live: the cpu trace's peak_bytes. booking: `cpu_booking.booking` in the variant's mode: tuned = "
         f"{booking['tuned']['model']}; default = {booking['glibc_default']['model']} "
-        "(with checkpointing too: the trainer trims its heap around each block, `cpu_process.trimmed_heap`; "
-        "and it gives its heap back before exit, `cpu_process.release_heap`, so the exit pages count once).",
+        "(with checkpointing too: the trainer trims its heap around each block, `malloc.trimmed_heap`; "
+        "and it gives its heap back before exit, `malloc.release_heap`, so the exit pages count once).",
         "- real: peak RSS of the whole `tiersep train` process (its loader workers included), exit included "
-        "(`cpu_process.measure_peak_rss`). growth: (real - RSS at the start of the run) / live.", "",
+        "(`probe.measure_peak_rss`). growth: (real - RSS at the start of the run) / live.", "",
         *table(rows, variants), "",
         f"Booking / real, tuned: {ratio_range(rows, 'tuned')}; default: {ratio_range(rows, 'default')} "
         "(target 1.00 to 1.25). By kind (tuned; default):", "",
         *[f"- {label} ({len(chosen)}): {ratio_range(chosen, 'tuned')}; {ratio_range(chosen, 'default')}, "
           f"the default's peak {growth_range(chosen, 'default')} x live above the allowance less its exit pages"
           for label, chosen in kinds(rows) if chosen], "",
-        f"The probe process (`cpu_process.process_allowance`) peaked at {base['probe_peak_bytes'] / MIB:.0f} MiB "
+        f"The probe process (`cpu_booking.process_allowance`) peaked at {base['probe_peak_bytes'] / MIB:.0f} MiB "
         f"here ({base['source']}).",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -495,17 +498,17 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tiersep.memory import cpu_process
+    from tiersep.memory import cpu_booking
 
     if args.rebook:
         return rebook(args)
     started = time.time()
     if not args.keep_allowance:   # measured now, in the page-cache state the runs will see
-        cache = cpu_process.allowance_cache_file()
+        cache = cpu_booking.allowance_cache_file()
         if cache is not None:
             cache.unlink(missing_ok=True)
-        cpu_process.process_allowance.cache_clear()
-    info, base = machine(), cpu_process.process_allowance()
+        cpu_booking.process_allowance.cache_clear()
+    info, base = machine(), cpu_booking.process_allowance()
     rows = []
     if args.random:
         drawn, refused = draw_presets(args.random, args.seed, int(args.max_live_gib * GIB))
@@ -538,15 +541,15 @@ def main(argv=None) -> int:
 
 
 def rebook(args) -> int:
-    """--rebook: the kept run's rows booked again by cpu_process.booking as it is now, against the
+    """--rebook: the kept run's rows booked again by cpu_booking.booking as it is now, against the
     allowance that run measured, and its table written again (saying so)."""
-    from tiersep.memory import cpu_process
+    from tiersep.memory import cpu_booking
 
     kept = json.loads(args.rebook.read_text())
     base = kept["baseline"]
     for row in kept["rows"]:   # against that run's allowance, not one measured now
         preset = {"model": {"checkpointing": row["checkpointing"]}, "train": {"host_malloc": "auto"}}
-        row["booking"] = cpu_process.booking({"peak_bytes": row["live_bytes"]}, preset, base)
+        row["booking"] = cpu_booking.booking({"peak_bytes": row["live_bytes"]}, preset, base)
     rows = kept["rows"]
     refused = kept.get("refused")
     if args.random and refused is None:                    # runs from before the json kept it

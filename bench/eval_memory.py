@@ -6,7 +6,7 @@ scoring tracks serially vs in parallel processes.
 
 (1) Each duration runs in its own subprocess: a randomly initialised model of --preset separates
 random noise of that length with the config's evaluate.chunk_seconds/overlap. Reported per run:
-- peak live tensor bytes of the separation, counted by tiersep.memory.tracker.StorageTracker (a TorchDispatchMode: each new storage adds
+- peak live tensor bytes of the separation, counted by tiersep.memory.trace.tracker.StorageTracker (a TorchDispatchMode: each new storage adds
   its bytes, a finalizer subtracts them when freed), split into the buffers whose last axis is the
   track (output accumulator and summed window: they ARE the result, O(length) by nature) and the
   working memory (chunk input, model activations, chunk output: must not depend on the length);
@@ -41,8 +41,8 @@ def child_separate(args) -> None:
     import torch
 
     from tiersep.config import load_config, load_preset
-    from tiersep.evaluate.separate import separate
-    from tiersep.memory.tracker import StorageTracker
+    from tiersep.separate.overlap_add import separate_track as separate
+    from tiersep.memory.trace.tracker import StorageTracker
     from tiersep.model import build_model
 
     torch.set_num_threads(args.threads)

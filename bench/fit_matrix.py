@@ -109,7 +109,7 @@ def main() -> int:
                 record, first_out = result, out
             print(f"| {jobs} | {seconds:.1f} | {cpu:.1f} | {result['traces']} | {os.getloadavg()[0]:.1f} |")
         sys.path.insert(0, str(ROOT / "src"))
-        from tiersep.memory.fit_matrix import table_lines
+        from tiersep.memory.fit.matrix import table_lines
 
         print("\n```\n" + "\n".join(table_lines(record)) + "\n```\n")
         cells = [(row["tier"], budget, cell) for row in record["tiers"]

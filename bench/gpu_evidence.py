@@ -112,7 +112,7 @@ def _device_counters(torch) -> dict:
 def _workload(preset: dict, device: str):
     import torch
 
-    from tiersep.memory.workload import build_workload
+    from tiersep.memory.trace.workload import build_workload
 
     torch.manual_seed(preset["train"]["seed"])
     return build_workload(preset, device, lambda *shape: 0.1 * torch.randn(shape, device=device))
@@ -140,7 +140,7 @@ def run_compiled(job: dict, preset: dict) -> dict:
     import torch
 
     from tiersep.model.compile import compile_model
-    from tiersep.train.step import train_step
+    from tiersep.model.step import train_step
 
     estimate = _trace_estimate(preset, job)
     device = "cpu" if job["dry_run"] else "cuda"
@@ -189,7 +189,7 @@ def run_events(job: dict, preset: dict, folder: Path) -> dict:
            "result": {"name": _slug(job["name"]), "steps": LOG_STEPS, "alloc_conf": os.environ.get(
                "PYTORCH_CUDA_ALLOC_CONF"), "dry_run": job["dry_run"], **result}}
     path.write_bytes(gzip.compress(json.dumps(log).encode()))
-    from tiersep.memory.allocator import load_event_log
+    from tiersep.memory.trace.allocator import load_event_log
 
     load_event_log(path)    # written as bench/allocator_replay.py and trace_vs_events.py read it
     return {"events_file": str(path.relative_to(folder)), "events": len(events)}
@@ -198,8 +198,8 @@ def run_events(job: dict, preset: dict, folder: Path) -> dict:
 def _cpu_events(preset: dict):
     """Dry run: the CPU step's allocation sequence (StorageTracker on real tensors) in the log's
     format, each allocation at its own made-up address: it exercises the writer, it is no GPU log."""
-    from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
-    from tiersep.train.step import train_step
+    from tiersep.memory.trace.tracker import StorageTracker, cpu_block_bytes
+    from tiersep.model.step import train_step
 
     work = _workload(preset, "cpu")
     tracker = StorageTracker(cpu_block_bytes)
@@ -246,7 +246,7 @@ def run_trial(job: dict) -> dict:
     from tiersep import gpu_lease
     from tiersep.memory import gate
     from tiersep.search.packing import booking_bytes
-    from tiersep.train.step import train_step
+    from tiersep.model.step import train_step
 
     preset, device = _preset(job), "cpu" if job["dry_run"] else "cuda"
     if job["dry_run"]:

@@ -30,7 +30,7 @@ profiler's allocator events on the real compiled forward.
 Every row: the first call (for a compiled model: the compile), the median step, and peak memory of
 one step, with ratios to the first row of its table. Steps go round-robin over the rows so that the
 load of a shared machine weighs on each alike.
-- cpu: `tensors` = peak live tensor bytes (tiersep.memory.tracker.StorageTracker, exact sizes; not
+- cpu: `tensors` = peak live tensor bytes (tiersep.memory.trace.tracker.StorageTracker, exact sizes; not
   for compiled rows: Dynamo runs a compiled model eagerly while a TorchDispatchMode is active, so the
   tracker would show the eager figure); `allocator` = peak bytes held through c10's CPU allocator
   (the profiler's memory events: sees inductor's buffers too); `RSS+` = the process's peak resident
@@ -62,10 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tiersep.config import load_preset, validate  # noqa: E402
-from tiersep.memory.tracker import StorageTracker  # noqa: E402
+from tiersep.memory.trace.tracker import StorageTracker  # noqa: E402
 from tiersep.model import build_loss, build_model, count_parameters  # noqa: E402
 from tiersep.model.tflocoformer import RotaryEmbedding  # noqa: E402
-from tiersep.train.step import make_optimizer, train_step  # noqa: E402
+from tiersep.model.step import make_optimizer, train_step  # noqa: E402
 
 SEPARATOR_FILE = "espnet2/enh/separator/tflocoformer_separator.py"
 MiB = 2 ** 20

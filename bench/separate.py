@@ -9,7 +9,7 @@ process under three budgets:
 - mid: halfway between the bookings of the shortest and the longest chunk (10 s) at batch 1;
 - auto: the available RAM (the longest chunk and the largest batch).
 Its whole-life peak RSS (exit included) is measured from outside (os.wait4 through
-cpu_process.measure_peak_rss); the chunk, batch, booking and real-time factor come from its sidecar.
+tiersep.probe.measure_peak_rss); the chunk, batch, booking and real-time factor come from its sidecar.
 
     python bench/separate.py                       # -> bench/results/separate_cpu.md
     python bench/separate.py --minutes 1 --tiers cpu_tiny --no-write
@@ -88,7 +88,7 @@ def budgets(tier: str) -> dict[str, float | None]:
 
 
 def separate(setup: dict, tier: str, song: Path, out: Path, budget: float | None) -> dict:
-    from tiersep.memory.cpu_process import measure_peak_rss
+    from tiersep.probe import measure_peak_rss
 
     cmd = [str(Path(sys.executable).parent / "tiersep"), "separate", "--config", str(setup["config"]),
            "--model", str(setup["models"][tier]), str(song), "--out", str(out)]
@@ -186,7 +186,7 @@ def main() -> None:
 def report(rows: list[dict], load: list, no_write: bool) -> None:
     import torch
 
-    from tiersep.memory.cpu_process import process_allowance
+    from tiersep.memory.cpu_booking import process_allowance
 
     small = [r["rtf"] for r in rows if r["tier"] == "cpu_small" and r["budget"] == "auto"]
     text = "\n".join([

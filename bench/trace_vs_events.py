@@ -72,7 +72,7 @@ def trace_tokens(preset: dict, workspace_bytes: int, model_and_loss=None) -> tup
 
 def log_tokens(log) -> list:
     """[(sign, bytes)] of the log's allocs and completed frees, sizes as the allocator books them."""
-    from tiersep.memory.allocator import round_size
+    from tiersep.memory.trace.allocator import round_size
 
     live, out = {}, []
     for action, addr, size in log.events:
@@ -85,7 +85,7 @@ def log_tokens(log) -> list:
 
 
 def compare(log_path: Path, blocks: int, model_and_loss=None) -> dict:
-    from tiersep.memory.allocator import load_event_log, replay_events
+    from tiersep.memory.trace.allocator import load_event_log, replay_events
     from tiersep.memory.calibration import resolve
 
     log = load_event_log(log_path)
@@ -136,7 +136,7 @@ def compare(log_path: Path, blocks: int, model_and_loss=None) -> dict:
     small = {side: sum(n < 64 * 1024 for n in sizes) for side, sizes in unmatched.items()}
 
     # both sequences through the allocator model (synthetic segment addresses for both)
-    from tiersep.memory import allocator
+    from tiersep.memory.trace import allocator
 
     recorded = replay_events(log, recorded_addresses=False)
     traced_timeline, _ = __import__("tiersep.memory.trace", fromlist=["repeat_steps"]).repeat_steps(rec, STEPS_IN_LOGS)
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                         help="trace tiersep's model as it was at this git revision (e.g. the logs' "
                              "e74010960b93) instead of the working tree's")
     args = parser.parse_args(argv)
-    from tiersep.memory.allocator import EventLogError
+    from tiersep.memory.trace.allocator import EventLogError
 
     model_and_loss = model_at(args.model_at) if args.model_at else None
     if not args.model_at and any(p.resolve() in LOGS for p in args.logs):

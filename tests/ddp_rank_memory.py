@@ -1,7 +1,7 @@
 """One rank of a real 2-rank gloo DDP run of cpu_tiny (tests/test_memory_ranks.py starts two).
 
 Each rank builds the real model, AdamW (its state made, as the trace's steady state has it) and its
-resident micro-batches (tiersep.memory.workload, as `measure` does), wraps the model in
+resident micro-batches (tiersep.memory.trace.workload, as `measure` does), wraps the model in
 DistributedDataParallel(gradient_as_bucket_view=True) as the trainer does, and runs the trainer's own
 train_step three times (the first records the gradients' order, the second's forward rebuilds the
 buckets) under the StorageTracker on real tensors, the CPU measurement tests/test_memory_bench.py
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tiersep import config as C
-from tiersep.memory.tracker import StorageTracker, cpu_block_bytes
-from tiersep.memory.workload import build_workload
-from tiersep.train.step import train_step
+from tiersep.memory.trace.tracker import StorageTracker, cpu_block_bytes
+from tiersep.memory.trace.workload import build_workload
+from tiersep.model.step import train_step
 
 
 def peak_from(timeline, start: int) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiersep.evaluate.separate import chunk_window, plan_chunks, separate
+from tiersep.separate.overlap_add import chunk_window, plan_chunks
+from tiersep.separate.overlap_add import separate_track as separate
 
 
 class PointwiseStems(torch.nn.Module):

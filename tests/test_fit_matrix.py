@@ -1,4 +1,4 @@
-"""What fits which GPU (`tiersep fit --gpus`, tiersep.memory.fit_matrix): the matrix agrees with
+"""What fits which GPU (`tiersep fit --gpus`, tiersep.memory.fit.matrix): the matrix agrees with
 single `tiersep fit` calls cell by cell, a larger budget never needs more levers, the presets it
 writes, and bad budget lists are one line (exit 2). Real CLI processes, real traces."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tiersep import config as C
-from tiersep.memory import fit_matrix
+from tiersep.memory.fit import matrix as fit_matrix
 from tiersep.records import read_record
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tiersep.memory.allocator import (MIB, AllocatorConfig, CachingAllocatorModel, EventLogError,
+from tiersep.memory.trace.allocator import (MIB, AllocatorConfig, CachingAllocatorModel, EventLogError,
                                       load_event_log, load_expandable_reference, replay,
                                       replay_events, round_size)
-from tiersep.memory.tracker import SETUP, Allocation, Timeline
+from tiersep.memory.trace.tracker import SETUP, Allocation, Timeline
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu" / "h100-2026-11-22"
 LOGS = sorted((DATA / "events").glob("*.events.json.gz"))

@@ -1,4 +1,4 @@
-"""The estimate of a compiled training step (tiersep.memory.compiled) and its place in the record."""
+"""The estimate of a compiled training step (tiersep.memory.trace.compiled) and its place in the record."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from test_train_support import tiny_preset
 from tiersep.records import validate_record
-from tiersep.memory import compiled as compiled_trace
+from tiersep.memory.trace import compiled as compiled_trace
 from tiersep.memory.estimate import estimate
 from tiersep.model.compile import compiles
 from tiersep.model import build_model
@@ -147,7 +147,7 @@ def test_a_failed_compiled_trace_falls_back_to_the_eager_figure(cpu_records, mon
     def broken(*args, **kwargs):
         raise RuntimeError("no backend today")
 
-    monkeypatch.setattr("tiersep.memory.trace.compile_now", broken)
+    monkeypatch.setattr("tiersep.memory.trace.step.compile_now", broken)
     record = estimate(tiny_preset(**{"train.compile": True}), "trace", "cpu")
     assert record["compiled"] is False
     assert "compiled trace failed (RuntimeError: no backend today)" in record["compiled_note"]

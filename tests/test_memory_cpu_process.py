@@ -1,4 +1,4 @@
-"""The CPU fit gate's booking of a whole train process (tiersep.memory.cpu_process).
+"""The CPU fit gate's booking of a whole train process (tiersep.memory.cpu_booking).
 
 Unit tests of the booking and its inverse, of configure_malloc()'s effect and of the peak-RSS
 measurement; then real `tiersep train` processes (three tiny presets, one checkpointed, validation
@@ -20,7 +20,8 @@ import yaml
 
 from conftest import one_torch_thread
 from test_train_support import make_workspace, tiny_preset
-from tiersep.memory import cpu_process
+from tiersep import malloc, probe
+from tiersep.memory import cpu_booking as cpu_process
 from tiersep.memory.estimate import estimate
 
 MIB, GIB = 2**20, 2**30
@@ -109,7 +110,7 @@ print(json.dumps({"before": before, "inside": inside}))
 
 @pytest.mark.skipif(not ON_GLIBC, reason="malloc_trim is glibc's")
 def test_trimmed_heap_gives_the_pages_of_fenced_holes_back():
-    proc = subprocess.run([sys.executable, "-c", _FENCED_HOLES, cpu_process.__file__],
+    proc = subprocess.run([sys.executable, "-c", _FENCED_HOLES, malloc.__file__],
                           text=True, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -202,7 +203,7 @@ def test_process_allowance_falls_back_and_says_why(monkeypatch):
 # fraction of a second instead of importing torch through tiersep.memory.
 LOAD_CPU_PROCESS = f"""
 import importlib.util
-spec = importlib.util.spec_from_file_location("cpu_process", {str(Path(cpu_process.__file__))!r})
+spec = importlib.util.spec_from_file_location("cpu_process", {str(Path(malloc.__file__))!r})
 cpu_process = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cpu_process)
 """
@@ -242,16 +243,16 @@ def test_configure_malloc_returns_freed_tensor_buffers_to_the_kernel():
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tuned"]["applied"] == {"allocator": "glibc", "applied": True,
-                                       "mmap_threshold": cpu_process.MMAP_THRESHOLD,
-                                       "trim_threshold": cpu_process.TRIM_THRESHOLD}
+                                       "mmap_threshold": malloc.MMAP_THRESHOLD,
+                                       "trim_threshold": malloc.TRIM_THRESHOLD}
     assert out["default"]["retained"] > 60 * MIB      # the pattern does fragment glibc's heap
     assert out["tuned"]["retained"] < 10 * MIB
 
 
 def test_malloc_env_names_the_same_settings():
-    env = cpu_process.malloc_env()
-    assert env == {"MALLOC_MMAP_THRESHOLD_": str(cpu_process.MMAP_THRESHOLD),
-                   "MALLOC_TRIM_THRESHOLD_": str(cpu_process.TRIM_THRESHOLD)}
+    env = malloc.malloc_env()
+    assert env == {"MALLOC_MMAP_THRESHOLD_": str(malloc.MMAP_THRESHOLD),
+                   "MALLOC_TRIM_THRESHOLD_": str(malloc.TRIM_THRESHOLD)}
 
 
 # ------------------------------------------------------------------------------ measuring RSS
@@ -263,7 +264,7 @@ def test_measured_peak_is_the_commands_own_not_its_parents():
     (pytest + torch) process, a 64 MiB command would read as this process's peak."""
     hold = bytearray(768 * MIB)   # make sure this process's high-water mark is well above the child's
     del hold
-    measured = cpu_process.measure_peak_rss([sys.executable, "-c", ALLOCATE_64MIB])
+    measured = probe.measure_peak_rss([sys.executable, "-c", ALLOCATE_64MIB])
     assert measured["returncode"] == 0
     assert 64 * MIB <= measured["peak_rss_bytes"] < 160 * MIB
     direct = subprocess.Popen([sys.executable, "-c", ALLOCATE_64MIB])
@@ -272,15 +273,15 @@ def test_measured_peak_is_the_commands_own_not_its_parents():
 
 
 def test_measure_peak_rss_reports_the_exit_code_and_kills_on_timeout():
-    assert cpu_process.measure_peak_rss([sys.executable, "-c", "raise SystemExit(3)"])["returncode"] == 3
+    assert probe.measure_peak_rss([sys.executable, "-c", "raise SystemExit(3)"])["returncode"] == 3
     with pytest.raises(subprocess.TimeoutExpired):
-        cpu_process.measure_peak_rss([sys.executable, "-c", "import time; time.sleep(60)"], timeout=2)
+        probe.measure_peak_rss([sys.executable, "-c", "import time; time.sleep(60)"], timeout=2)
 
 
 def test_own_peak_rss_sees_an_allocation_in_this_process():
     """telemetry.peak_rss_bytes (run.json's peak_rss_bytes, the probe's pre-exit peak) is this
     process's own: it grows by what the process allocates."""
-    code = "from tiersep.train.telemetry import peak_rss_bytes as peak\n" \
+    code = "from tiersep.probe import peak_rss_bytes as peak\n" \
         "a = peak(); b = bytearray(96 * 2**20); print(peak() - a)"
     proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -300,7 +301,7 @@ def test_train_step_frees_each_micro_batchs_graph_before_the_next_forward():
     import torch
 
     from tiersep.model import build_loss, build_model
-    from tiersep.train.step import make_optimizer, train_step
+    from tiersep.model.step import make_optimizer, train_step
 
     preset = tiny_preset(**{"model.dropout": 0.0, "train.grad_accum": 3})
     torch.manual_seed(0)
@@ -351,7 +352,7 @@ def train_in_parallel(root: Path, ws: dict, presets: dict, timeout: float = 240)
                str(preset_file), "--data", str(ws["data"]), "--out", str(root / name)]
         try:
             with open(root / f"{name}.log", "w") as log:
-                results[name] = cpu_process.measure_peak_rss(
+                results[name] = probe.measure_peak_rss(
                     cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, log=log, timeout=timeout)
         except Exception as err:  # noqa: BLE001 - reported by the test
             errors.append(f"{name}: {err}")

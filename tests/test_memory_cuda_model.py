@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tiersep import config as C
-from tiersep.memory.cuda_model import (FP32, FP32_OUTPUT, LOWER_PRECISION, PROMOTE, CudaEmulation,
-                                       CudaKernelMemory, choose_cuda_backend, cuda_autocast_ops,
-                                       fused_attention, policy_of)
-from tiersep.memory.tracker import FORWARD, StorageTracker, cuda_block_bytes
+from tiersep.memory.trace.attention import choose_cuda_backend, fused_attention
+from tiersep.memory.trace.cuda_autocast import FP32, FP32_OUTPUT, LOWER_PRECISION, PROMOTE, cuda_autocast_ops, policy_of
+from tiersep.memory.trace.emulation import CudaEmulation
+from tiersep.memory.trace.kernels import CudaKernelMemory
+from tiersep.memory.trace.tracker import FORWARD, StorageTracker, cuda_block_bytes
 
 
 def small_preset(**fields):
@@ -295,7 +296,7 @@ def test_flash_backward_allocates_as_recorded():
 @pytest.mark.parametrize("B,L,recorded", [(518, 1025, 577673600), (2050, 259, 672400000)])
 def test_efficient_backward_workspace_is_the_recorded_one(B, L, recorded):
     """ultra_safe fp32 (4 heads, head dim 24): the cutlass backward's workspace in the log."""
-    from tiersep.memory.cuda_model import efficient_backward_workspace
+    from tiersep.memory.trace.attention import efficient_backward_workspace
 
     assert efficient_backward_workspace(B, 4, L, 24, torch.float32) == recorded
 
@@ -305,7 +306,7 @@ def test_efficient_backward_workspace_is_the_recorded_one(B, L, recorded):
 def test_derived_micro_batches_match_traced_ones(fields, monkeypatch):
     """Micro-batches after the first are derived from it (gradients summed in place); tracing the
     second and repeating it gives the same allocator peaks."""
-    import tiersep.memory.trace as trace
+    import tiersep.memory.trace.step as trace
 
     preset = small_preset(model__dropout=0.1, **fields)
     results = []

@@ -10,9 +10,8 @@ import pytest
 
 from tiersep import config as C
 from tiersep.memory import estimate
-from tiersep.memory.estimate import modelled_backend
 from tiersep.memory.measure import measure_step
-from tiersep.memory.trace import trace_step
+from tiersep.memory.trace import modelled_backend, trace_step
 
 GIB = 2**30
 REQUIRED = {"preset", "parameters", "peak_bytes", "largest_allocation_bytes", "breakdown", "budget_bytes",

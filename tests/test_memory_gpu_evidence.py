@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tiersep.memory import evidence
-from tiersep.memory.allocator import load_event_log
+from tiersep.memory.trace.allocator import load_event_log
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "gpu_evidence.py"

@@ -1,4 +1,4 @@
-"""Per-rank estimates of a data-parallel tier (issue 20, memory/ranks.py): DDP's buckets as torch
+"""Per-rank estimates of a data-parallel tier (issue 20, memory/trace/ranks.py): DDP's buckets as torch
 assigns them, a rank's step with its gradients moved into them, the communicator, the record, the
 gate per rank, and a real 2-rank gloo run measured against the estimate."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tiersep import config as C
 from tiersep.memory import DoesNotFit, gate
-from tiersep.memory import ranks as R
+from tiersep.memory.trace import ranks as R
 from tiersep.memory.calibration import resolve
 from tiersep.memory.estimate import estimate
 from tiersep.memory.trace import trace_step

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tiersep.memory.allocator import MIB, CachingAllocatorModel, replay, segment_size
-from tiersep.memory.tracker import (BACKWARD, FORWARD, UPDATE, StorageTracker, cpu_block_bytes,
+from tiersep.memory.trace.allocator import MIB, CachingAllocatorModel, replay, segment_size
+from tiersep.memory.trace.tracker import (BACKWARD, FORWARD, UPDATE, StorageTracker, cpu_block_bytes,
                                     cuda_block_bytes)
 
 

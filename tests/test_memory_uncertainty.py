@@ -59,7 +59,7 @@ def test_a_class_books_the_target_or_its_worst_error_rounded_up(errors, booked):
 
 
 def test_the_cpu_booking_is_unchanged():
-    """On CPU the gate books the process RSS (memory.cpu_process), not peak x (1 + u)."""
+    """On CPU the gate books the process RSS (memory.cpu_booking), not peak x (1 + u)."""
     cpu = estimate(C.load_preset("cpu_tiny"), "trace", "cpu", budget_bytes=64 * GIB)
     assert "uncertainty_class" not in cpu
     assert cpu["gate_required_bytes"] == cpu["cpu_process"]["rss_bytes"]

@@ -1,6 +1,6 @@
 """`tiersep search` end to end on CPU: real Optuna (journal storage), real `tiersep train`
 processes on a tiny prepared dataset, a RAM budget that some sampled configurations exceed.
-No mocks: the fit gate's CPU booking is the trainer's own (memory.cpu_process)."""
+No mocks: the fit gate's CPU booking is the trainer's own (memory.cpu_booking)."""
 from __future__ import annotations
 
 import os

@@ -220,7 +220,7 @@ def test_formats_and_clipping_are_reported(ws, tmp_path):
 
 def test_a_tight_budget_gives_a_shorter_chunk_and_the_process_stays_under_it(ws, songs, tmp_path):
     from tiersep import config as C
-    from tiersep.memory.cpu_process import measure_peak_rss
+    from tiersep.probe import measure_peak_rss
     from tiersep.separate.plan import estimate_for
 
     import torch

@@ -17,7 +17,7 @@ from test_train_support import make_workspace, tiny_preset
 from tiersep import config as C
 from tiersep.train import build, loop, oom, sweep, trainer
 from tiersep.train.schedule import Schedule
-from tiersep.train.step import make_optimizer, train_step
+from tiersep.model.step import make_optimizer, train_step
 from tiersep.train.telemetry import METRICS_FIELDS, CsvLog
 
 

@@ -34,12 +34,12 @@ or a sweep trial name (see `sweep` in the config).
 
 def _parse_set(text: str) -> tuple[str, object]:
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {C._short(text)}")
+        raise argparse.ArgumentTypeError(f"--set expects section.field=value, got {C.short_repr(text)}")
     key, value = text.split("=", 1)
     try:
         return key, C.load_yaml(value)  # YAML 1.2 numbers: train.lr=4e-3 is a float
     except yaml.YAMLError as err:   # (NaN and inf are refused when the preset is validated)
-        raise argparse.ArgumentTypeError(C.one_line(f"{key}: not a YAML value ({str(err).splitlines()[0]})")) from None
+        raise argparse.ArgumentTypeError(C.escape_line_breaks(f"{key}: not a YAML value ({str(err).splitlines()[0]})")) from None
 
 
 def _schema_number(schema_name: str, dotted: str, kind):
@@ -59,9 +59,9 @@ def _schema_number(schema_name: str, dotted: str, kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{C._short(text)} is not {what} ({allowed})") from None
+            raise argparse.ArgumentTypeError(f"{C.short_repr(text)} is not {what} ({allowed})") from None
         if kind is int and not -2**63 <= value < 2**63:   # as in a config (C._check_numbers)
-            raise argparse.ArgumentTypeError(f"{C._short(value)} is too large (beyond a 64-bit integer)")
+            raise argparse.ArgumentTypeError(f"{C.short_repr(value)} is too large (beyond a 64-bit integer)")
         if not math.isfinite(value) or (low is not None and value < low) or \
                 (high is not None and value > high) or (above is not None and value <= above):
             raise argparse.ArgumentTypeError(f"{value} is out of range ({what} {allowed}, as {dotted} in "
@@ -77,7 +77,7 @@ def _whole_number(low: int, high: int | None, why: str):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{C._short(text)} is not an integer >= {low}") from None
+            raise argparse.ArgumentTypeError(f"{C.short_repr(text)} is not an integer >= {low}") from None
         if value < low or (high is not None and value > high):
             bounds = f">= {low}" if high is None else f"{low} to {high}"
             raise argparse.ArgumentTypeError(f"{value}: must be {bounds} ({why})")
@@ -92,7 +92,7 @@ def _study_name(text: str) -> str:
 
     pattern = C.load_schema("config.schema.yaml")["properties"]["search"]["properties"]["study"]["pattern"]
     if not re.match(pattern, text):
-        raise argparse.ArgumentTypeError(f"{C._short(text)}: letters, digits, _ . - only, not starting with . or -")
+        raise argparse.ArgumentTypeError(f"{C.short_repr(text)}: letters, digits, _ . - only, not starting with . or -")
     return text
 
 
@@ -244,7 +244,7 @@ def cmd_fit_matrix(args, cfg):
     """`fit --gpus`: the nearest fitting variant of each preset for every budget, as a table;
     --json writes the fit_matrix record, --out DIR one preset per cell that fits."""
     from tiersep.io import write_json
-    from tiersep.memory import fit_matrix
+    from tiersep.memory.fit import matrix as fit_matrix
     from tiersep.records import validate_record
 
     if args.device not in (None, "auto", "cuda"):
@@ -275,7 +275,7 @@ def _estimate_records(folder: str | None, tiers: list[str]) -> dict[str, dict]:
         try:
             record = read_record("estimate", Path(folder) / f"{tier}.json")
         except RecordError as err:   # damaged: traced instead
-            print(f"tiersep fit: {C.one_line(str(err))}; tracing {tier} instead", file=sys.stderr)
+            print(f"tiersep fit: {C.escape_line_breaks(str(err))}; tracing {tier} instead", file=sys.stderr)
             continue
         if record is not None:
             records[tier] = record
@@ -304,12 +304,19 @@ def lease_gpu(wanted_device: str, job: str, count: int = 1):
     return gpu_lease.lease_for_device(wanted_device, job, count)
 
 
+def load_trainer():
+    """The train command's function; importing it is what a train process imports before it builds
+    anything (memory/cpu_booking.py's probe imports it the same way)."""
+    from tiersep.train.trainer import train
+
+    return train
+
+
 def cmd_train(args, cfg):
     preset = resolve_preset(args.preset, cfg, args.set)
     t = preset["train"]
     lease_gpu(t["device"], "train", count=max(1, t.get("ranks", 1) // t.get("nodes", 1)))
-    from tiersep.train.trainer import train   # after the lease: nothing may start CUDA before it
-
+    train = load_trainer()   # after the lease: nothing may start CUDA before it
     return train(cfg, preset, Path(args.data), Path(args.out), resume=args.resume,
                  estimate_path=Path(args.estimate) if args.estimate else None, attempt=args.attempt,
                  outcome_path=Path(args.outcome) if args.outcome else None)
@@ -605,12 +612,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args, cfg) or 0
     except C.ConfigError as err:
         # one line, whatever a path, key or value holds
-        print(f"tiersep {args.command}: error: {C.one_line(str(err))}", file=sys.stderr)
+        print(f"tiersep {args.command}: error: {C.escape_line_breaks(str(err))}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
     except OSError as err:
         if not _names_an_input(err, args):
             raise
-        print(C.one_line(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
+        print(C.escape_line_breaks(f"tiersep {args.command}: error: {os.fsdecode(err.filename)}: cannot read it "
                          f"({err.strerror or err})"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

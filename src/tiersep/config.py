@@ -35,9 +35,17 @@ class ConfigError(ValueError):
 
 
 class DoesNotFit(ConfigError):
-    """Nothing the user asked for fits the memory budget (exit 3, as a refused train)."""
+    """Nothing the user asked for fits the memory budget (exit 3, as a refused train): the fit gate's
+    refusal (memory/fit/gate.py, with its estimate, the budget and what would fit), a separation plan
+    or a fit search that finds nothing. The message says what fits."""
 
     exit_code = 3
+
+    def __init__(self, message: str, estimate: dict | None = None, budget_bytes: int | None = None,
+                 suggestion: list[str] | None = None, fitted: dict | None = None):
+        super().__init__(message)
+        self.estimate, self.budget_bytes, self.suggestion = estimate, budget_bytes, suggestion
+        self.fitted = fitted  # the variant that fits (what on_oversize: adapt trains), if any
 
 
 # Bounds on what one YAML input may cost to read: configs and presets are a few KiB with no
@@ -171,7 +179,7 @@ def _where(path) -> str:
     return where.replace(".[", "[") or "(top level)"
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """repr of a value a user wrote, short enough for a one-line message (a key or a value may be
     a whole file's line or content)."""
     text = _SHORT_REPR.repr(value)
@@ -187,7 +195,7 @@ _SHORT_REPR.maxother = 40
 _LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
-def one_line(text: str) -> str:
+def escape_line_breaks(text: str) -> str:
     """`text` with its line breaks written as escapes (\\n, \\x1d, ...)."""
     return text.translate(_LINE_BREAKS)
 
@@ -199,7 +207,7 @@ def _check_numbers(node: Any, source: str | Path, path: tuple = ()) -> None:
     if isinstance(node, float) and not math.isfinite(node):
         raise ConfigError(f"{source}: {_where(path)}: {node} is not a finite number", path)
     if isinstance(node, int) and not isinstance(node, bool) and not -2**63 <= node < 2**63:
-        raise ConfigError(f"{source}: {_where(path)}: {_short(node)} is too large (beyond a 64-bit integer)", path)
+        raise ConfigError(f"{source}: {_where(path)}: {short_repr(node)} is too large (beyond a 64-bit integer)", path)
     if isinstance(node, dict):
         for key, value in node.items():
             _check_numbers(value, source, path + (key,))
@@ -217,7 +225,7 @@ def _describe(error) -> str:
         extra = sorted((k for k in error.instance if k not in allowed), key=str) \
             if isinstance(error.instance, dict) else []
         # a file that is not a preset (any text file read as YAML) is all unknown keys: name a few
-        named = ", ".join(_short(k) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        named = ", ".join(short_repr(k) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         return f"{where}: unknown key {named} (allowed keys: {', '.join(allowed)})"
     allowed = []
     for bound in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
@@ -231,7 +239,7 @@ def _describe(error) -> str:
     message = error.message
     full = repr(error.instance)
     if len(full) > 60 and full in message:   # jsonschema quotes the whole value
-        message = message.replace(full, _short(error.instance))
+        message = message.replace(full, short_repr(error.instance))
     return f"{where}: {message}{hint}"
 
 

@@ -1,4 +1,5 @@
-"""Which device a job runs on, and the CUDA allocator settings it runs with (train and evaluate).
+"""Which device a job runs on (the one rule: device_type), and the CUDA allocator settings it runs
+with (train and evaluate).
 
 Both are decided before CUDA is initialised: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
 once, when CUDA starts in this process.
@@ -17,15 +18,27 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 MEMORY_FRACTION_ENV = "TIERSEP_CUDA_MEMORY_FRACTION"
 
 
-def choose_device(preset: dict, job: str = "train") -> torch.device:
-    """train.device of the preset: cuda, cpu, or auto (cuda when a GPU is visible)."""
-    wanted = preset["train"]["device"]
+def device_type(wanted: str) -> str:
+    """The one device rule: cuda when a GPU is visible and `wanted` (cuda, cpu or auto) is not cpu,
+    else cpu. Every job that runs on a device chooses it here (resolve_device, choose_device, the
+    data-parallel ranks, a measured step)."""
+    return "cuda" if wanted != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(wanted: str, refusal: str) -> torch.device:
+    """`wanted` as the torch.device this process runs on (device_type's rule); cuda asked for with
+    no GPU visible is a ConfigError saying `refusal`."""
     if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"preset {preset['name']}: train.device: cuda, but no CUDA device is visible "
-                          f"to this {job} job")
-    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        raise ConfigError(refusal)
+    if device_type(wanted) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def choose_device(preset: dict, job: str = "train") -> torch.device:
+    """train.device of the preset: cuda, cpu, or auto (cuda when a GPU is visible)."""
+    return resolve_device(preset["train"]["device"], f"preset {preset['name']}: train.device: cuda, but no "
+                                                     f"CUDA device is visible to this {job} job")
 
 
 def planned_allocator(preset: dict) -> dict:

@@ -227,7 +227,7 @@ def _report_output(name, category):
 REPORT_FILES = [f"{RESULTS}/report/index.html", f"{RESULTS}/report/report.md"]
 
 
-import tiersep.memory.fit_matrix as tiersep_fit_matrix
+from tiersep.memory.fit import matrix as tiersep_fit_matrix
 
 # What fits which GPU (fit_matrix.enabled): its record, an input of the report
 FIT_MATRIX = [f"{RESULTS}/vram/fit_matrix.json"] if CFG["fit_matrix"]["enabled"] else []

@@ -23,17 +23,11 @@ from tiersep.device import choose_device
 from tiersep.evaluate import listen, metrics
 from tiersep.evaluate.scoring import (TrackTask, aggregate_scores, available_cores, museval_peak_bytes,
                                       resolve_workers, score_tracks, write_scores)
-from tiersep.evaluate.separate import separate
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.io import atomic_dir
+from tiersep.model.weights import load_model
 from tiersep.outputs import check, claim, exclusive, only_names
-
-# Fields of a preset the weights depend on: a checkpoint only loads into the same architecture.
-ARCHITECTURE_FIELDS = {
-    "audio": ("sample_rate", "channels", "n_fft", "hop", "window"),
-    "model": ("sources", "n_layers", "emb_dim", "attention_dim", "n_heads", "ffn_hidden",
-              "conv_kernel", "conv_stride", "norm_groups", "rope_base", "eps"),
-}
+from tiersep.separate.overlap_add import separate_track
 
 
 def protocol_text(rate: int, cfg_eval: dict) -> str:
@@ -51,38 +45,10 @@ def protocol_text(rate: int, cfg_eval: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading
+# Device
 # ---------------------------------------------------------------------------------------------
 def resolve_device(preset: dict) -> torch.device:
     return choose_device(preset, "evaluate")
-
-
-def check_same_architecture(preset: dict, trained: dict, model_path: Path) -> None:
-    for section, fields in ARCHITECTURE_FIELDS.items():
-        for field in fields:
-            ours, theirs = preset[section].get(field), trained.get(section, {}).get(field)
-            if ours != theirs:
-                raise ConfigError(f"{model_path}: trained with {section}.{field} = {theirs!r}, but preset "
-                                  f"{preset['name']!r} has {ours!r}; evaluate it with the preset it was trained with")
-
-
-def load_model(model_path: Path, preset: dict) -> tuple[torch.nn.Module, int | None]:
-    """Build the preset's model and load model.pt ({"model": state_dict, "preset", "step"})."""
-    from tiersep.model import build_model
-
-    from tiersep.train.checkpoint import load_model_file
-
-    model_path = Path(model_path)
-    checkpoint = load_model_file(model_path)  # one-line CheckpointError when missing or damaged
-    if isinstance(checkpoint.get("preset"), dict):
-        check_same_architecture(preset, checkpoint["preset"], model_path)
-    model = build_model(preset)
-    try:
-        model.load_state_dict(checkpoint["model"])
-    except RuntimeError as err:  # missing/unexpected keys or shapes: not this preset's weights
-        raise ConfigError(f"{model_path}: its weights do not fit preset {preset['name']!r} "
-                          f"({str(err).strip().splitlines()[0]})") from None
-    return model, checkpoint.get("step")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +117,7 @@ def _evaluate(cfg: dict, preset: dict, model: torch.nn.Module, data_dir: Path, o
             for index, name in enumerate(names):
                 bar.set_postfix_str(f"separating {index + 1}/{len(names)}")
                 mixture, stems = read_track(data_dir, "test", name, sources)      # [C, S], [n, C, S]
-                estimates = separate(model, mixture, chunk, settings["overlap"], precision, device,
+                estimates = separate_track(model, mixture, chunk, settings["overlap"], precision, device,
                                      progress=True).numpy()                      # [n, C, S]
                 si_sdrs[name] = {s: {"si_sdr": metrics.si_sdr(estimates[i], stems[i]),
                                      "si_sdr_mixture": metrics.si_sdr(mixture, stems[i])}

@@ -28,8 +28,8 @@ import torch
 
 from .calibration import resolve as resolve_device_calibration
 from .constants import BREAKDOWN_KEYS
-from .cuda_model import modelled_backend
-from .tracker import cpu_block_bytes, cuda_block_bytes
+from .conditions import Conditions, decide
+from .trace import cpu_block_bytes, cuda_block_bytes
 
 CALIBRATION_FILE = Path(__file__).with_name("analytic_calibration.json")
 UNCERTAINTY = 0.10
@@ -46,35 +46,35 @@ def frames_and_bins(preset: dict) -> tuple[int, int]:
     return 1 + a["segment_samples"] // a["hop"], a["n_fft"] // 2 + 1
 
 
-def kernel_class(preset: dict, device: str) -> str:
+def kernel_class(cond: Conditions) -> str:
     """Attention kernel family of the mode: 'math' (O(L^2) scores) or 'fused' (O(L) state)."""
-    return "math" if modelled_backend(preset, device) == "math" else "fused"
+    return "math" if cond.attention == "math" else "fused"
 
 
-def mode_of(preset: dict, device: str) -> str:
+def mode_of(preset: dict, cond: Conditions) -> str:
     m, t = preset["model"], preset["train"]
-    return "/".join([device, t["precision"], "ckpt" if m["checkpointing"] else "full",
-                     kernel_class(preset, device), "drop" if m["dropout"] > 0 else "nodrop"])
+    return "/".join([cond.device, t["precision"], "ckpt" if m["checkpointing"] else "full",
+                     kernel_class(cond), "drop" if m["dropout"] > 0 else "nodrop"])
 
 
-def padded_attention_dim(preset: dict, device: str) -> int:
+def padded_attention_dim(preset: dict, cond: Conditions) -> int:
     """attention_dim as the flash kernel sees it: CUDA pads the head dim to a multiple of 8."""
     m = preset["model"]
-    if device == "cuda" and modelled_backend(preset, device) == "flash":
+    if cond.device == "cuda" and cond.attention == "flash":
         return m["n_heads"] * -(-(m["attention_dim"] // m["n_heads"]) // 8) * 8
     return m["attention_dim"]
 
 
-def features(preset: dict, device: str) -> dict[str, float]:
+def features(preset: dict, cond: Conditions) -> dict[str, float]:
     a, m, t = preset["audio"], preset["model"], preset["train"]
     T, F = frames_and_bins(preset)
     B, L, E, H, A, h = t["batch_size"], m["n_layers"], m["emb_dim"], m["ffn_hidden"], m["attention_dim"], m["n_heads"]
     n, C, S = len(m["sources"]), a["channels"], a["segment_samples"]
     bins = B * T * F
     scores = B * h * (T * F * F + F * T * T)
-    pad = padded_attention_dim(preset, device) - A   # extra head-dim columns flash copies in
+    pad = padded_attention_dim(preset, cond) - A   # extra head-dim columns flash copies in
     f = {"io_E": bins * E, "spec": bins * n * C, "wave": B * S * n * C}
-    math_kernel = kernel_class(preset, device) == "math"
+    math_kernel = kernel_class(cond) == "math"
     if math_kernel:   # the backward of one attention call holds a few of its score matrices at once
         f["scores_max"] = B * h * max(T * F * F, F * T * T)
     if m["checkpointing"]:   # saved: each block's input; recomputed: one block at a time
@@ -112,7 +112,7 @@ def input_bytes(preset: dict, device: str) -> int:
     return t["grad_accum"] * (block(per) + block(per * len(preset["model"]["sources"])))
 
 
-def largest_allocation(preset: dict, device: str) -> int:
+def largest_allocation(preset: dict, cond: Conditions) -> int:
     """Largest single tensor among the usual suspects: math scores, FFN conv output, q/k/v, spectra."""
     a, m, t = preset["audio"], preset["model"], preset["train"]
     T, F = frames_and_bins(preset)
@@ -121,11 +121,11 @@ def largest_allocation(preset: dict, device: str) -> int:
     candidates = [B * T * F * 2 * m["ffn_hidden"] * act, B * T * F * 3 * m["attention_dim"] * act,
                   B * T * F * m["emb_dim"] * 4,
                   B * len(m["sources"]) * a["channels"] * T * F * 8]
-    if kernel_class(preset, device) == "math":
+    if kernel_class(cond) == "math":
         chunk = m["attention_chunk"]
         # math upcasts to fp32; one call covers at most `chunk` sequences
         candidates += [min(B * T, chunk) * m["n_heads"] * F * F * 4, min(B * F, chunk) * m["n_heads"] * T * T * 4]
-    block = cuda_block_bytes if device == "cuda" else cpu_block_bytes
+    block = cuda_block_bytes if cond.device == "cuda" else cpu_block_bytes
     return block(max(candidates))
 
 
@@ -136,26 +136,26 @@ def load_calibration() -> dict:
     return json.loads(CALIBRATION_FILE.read_text())
 
 
-def activation_bytes(preset: dict, device: str, calibration: dict | None = None) -> int:
+def activation_bytes(preset: dict, cond: Conditions, calibration: dict | None = None) -> int:
     calibration = calibration or load_calibration()
-    mode = mode_of(preset, device)
+    mode = mode_of(preset, cond)
     coef = calibration["modes"].get(mode)
     if coef is None:
         raise KeyError(f"analytic: mode {mode} is not calibrated (known: {', '.join(sorted(calibration['modes']))})")
-    return int(sum(coef["coef"].get(k, 0.0) * v for k, v in features(preset, device).items()))
+    return int(sum(coef["coef"].get(k, 0.0) * v for k, v in features(preset, cond).items()))
 
 
-def predict(preset: dict, device: str, calibration: dict | None = None, numels: list[int] | None = None,
+def predict(preset: dict, cond: Conditions, calibration: dict | None = None, numels: list[int] | None = None,
             device_cal: dict | None = None) -> dict:
     """Allocated/reserved/peak bytes and the breakdown, in closed form. `calibration`: this module's
     fitted coefficients; `device_cal`: the GPU's context and workspace (memory.calibration)."""
-    static = static_bytes(preset, device, numels)
+    static = static_bytes(preset, cond.device, numels)
     if preset["train"]["grad_accum"] == 1:
         static["gradients"] = 0   # the peak comes before most gradients exist
-    inputs = input_bytes(preset, device)
-    act = max(activation_bytes(preset, device, calibration), 0)
+    inputs = input_bytes(preset, cond.device)
+    act = max(activation_bytes(preset, cond, calibration), 0)
     live = sum(static.values()) + inputs + act
-    if device == "cuda":
+    if cond.device == "cuda":
         cal = device_cal or resolve_device_calibration("auto")
         allocated = live + cal["cublas_workspace_bytes"]
         reserved = int(allocated * RESERVED_FACTOR + min(RESERVED_SMALL * allocated, RESERVED_EXTRA))
@@ -166,22 +166,22 @@ def predict(preset: dict, device: str, calibration: dict | None = None, numels: 
     return {"allocated": allocated, "reserved": reserved, "peak": peak, "breakdown": breakdown}
 
 
-def estimate_analytic(preset: dict, device: str, device_cal: dict | None = None) -> dict:
-    """The estimate record fields for method analytic (see estimate.estimate)."""
+def estimate_analytic(preset: dict, cond: Conditions, device_cal: dict | None = None) -> dict:
+    """The estimate record fields for method analytic (see estimate.estimate), under its conditions."""
     numels = parameter_numels(preset)
-    p = predict(preset, device, numels=numels, device_cal=device_cal)
+    p = predict(preset, cond, numels=numels, device_cal=device_cal)
+    mode = mode_of(preset, cond)
     return {
         "parameters": sum(numels),
         "peak_bytes": int(p["peak"]),
-        "largest_allocation_bytes": largest_allocation(preset, device),
+        "largest_allocation_bytes": largest_allocation(preset, cond),
         "breakdown": {k: int(p["breakdown"][k]) for k in BREAKDOWN_KEYS},
-        "attention_backend": modelled_backend(preset, device),
+        "attention_backend": cond.attention,
         # at least 10%; more where the mode's fit to its calibration traces was looser
-        "uncertainty": round(max(UNCERTAINTY, load_calibration()["modes"][mode_of(preset, device)]["max_rel_err"]
-                                 + 0.03), 3),
+        "uncertainty": round(max(UNCERTAINTY, load_calibration()["modes"][mode]["max_rel_err"] + 0.03), 3),
         "allocated_peak_bytes": int(p["allocated"]),
         "reserved_peak_bytes": p["reserved"],
-        "mode": mode_of(preset, device),
+        "mode": mode,
         "notes": ["analytic: activations include the input batch and the transients at the peak"],
         "torch": torch.__version__,
     }
@@ -249,12 +249,13 @@ def fit_mode(mode: str, progress=None) -> dict:
     rows, targets, names = [], [], None
     for config in CALIBRATION_CONFIGS:
         preset = calibration_preset(config, mode)
-        if mode_of(preset, device) != mode:
-            raise RuntimeError(f"calibration config {config} lands in {mode_of(preset, device)}, not {mode}")
+        cond = decide(preset, device)
+        if mode_of(preset, cond) != mode:
+            raise RuntimeError(f"calibration config {config} lands in {mode_of(preset, cond)}, not {mode}")
         r = trace_step(preset, device)
         b = r.breakdown
         target = b["activations"] + b["transient"] + b["gradients"] - r.inputs_bytes
-        f = features(preset, device)
+        f = features(preset, cond)
         names = names or sorted(f)
         rows.append([f[k] for k in names])
         targets.append(target)

@@ -142,8 +142,8 @@ def measure(progress=print) -> dict:
 def _warm_training_step(torch) -> None:
     """One fp32 and one bf16 training step of a tiny tiersep model: loads the kernels training uses."""
     from tiersep import config as C
-    from tiersep.memory.workload import build_workload
-    from tiersep.train.step import train_step
+    from .trace import build_workload
+    from tiersep.model.step import train_step
 
     preset = C.validate({"name": "calibrate", "audio": {"sample_rate": 8000, "segment_samples": 8000,
                                                         "n_fft": 256, "hop": 64},

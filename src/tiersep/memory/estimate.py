@@ -11,11 +11,11 @@ What `peak_bytes` means (the number the fit gate compares with the budget):
 backward, plus the input batch), transient (backward and optimizer temporaries) are the tensors live
 at the moment of the allocated peak; overhead is everything else (CUDA context, cuBLAS workspace,
 memory the allocator holds cached beyond the live tensors).
-`compiled`: whether the figure is for the step of the torch.compile'd model (memory/compiled.py),
+`compiled`: whether the figure is for the step of the torch.compile'd model (memory/trace/compiled.py),
 as the trainer runs it when the preset compiles on `device`; `compiled_note` says why, or why the
 compiled trace fell back to the eager figure (an upper bound: compiling only lowers the peak).
 A data-parallel tier (train.ranks > 1): every figure is one rank's, what each rank's GPU must hold
-(memory/ranks.py: its micro-batch's step, DDP's buckets, the communicator); `data_parallel` says
+(memory/trace/ranks.py: its micro-batch's step, DDP's buckets, the communicator); `data_parallel` says
 what DDP adds and gives the figures of all ranks together.
 `uncertainty` (cuda trace): that of the estimate's class (attention kernel, checkpointing, allocator
 mode, eager or compiled step) from the GPU evidence (memory/accuracy.py), named in
@@ -27,12 +27,10 @@ import time
 
 import torch
 
-from . import accuracy, analytic, calibration, cpu_process, ranks
+from . import accuracy, analytic, calibration, conditions, cpu_booking
 from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY
-from .cuda_model import modelled_backend
-from .trace import trace_step
-from tiersep.device import planned_allocator
-from tiersep.model.compile import compiles, one_line
+from .trace import ranks, trace_step
+from tiersep.model.compile import error_chain
 
 METHODS = ("trace", "analytic", "measure")
 
@@ -48,19 +46,18 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         raise ValueError(f"estimate.device: {device!r} (allowed: cuda, cpu)")
     start = time.time()
     cal = calibration.resolve(calibration_spec) if device == "cuda" else None
-    if compiled is None:
-        compiled = compiles(preset, device)
+    cond = conditions.decide(preset, device, compiled)
     if method == "trace":
-        record = _from_trace(preset, device, cal, compiled)
+        record = _from_trace(preset, cond, cal)
     elif method == "analytic":
-        record = analytic.estimate_analytic(preset, device, cal)
+        record = analytic.estimate_analytic(preset, cond, cal)
     else:
-        record = _from_measure(preset, device, cal)
+        record = _from_measure(preset, cond, cal)
     if method != "trace":
         record.update(compiled=False, compiled_note=f"the {method} method models the eager step"
-                      + (" (the preset compiles: an upper bound)" if compiled else ""))
+                      + (" (the preset compiles: an upper bound)" if cond.compiled else ""))
     t = preset["train"]
-    if data_parallel(preset) and "data_parallel" not in record:
+    if cond.data_parallel and "data_parallel" not in record:
         record = ranks.untraced(record, preset, device)
     record = {
         "preset": preset["name"],
@@ -75,8 +72,7 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "segment_samples": preset["audio"]["segment_samples"],
         "checkpointing": preset["model"]["checkpointing"],
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
-        "allocator": ({"expandable_segments": planned_allocator(preset)["expandable_segments"]}
-                      if device == "cuda" else None),
+        "allocator": cond.allocator_record(),
     }
     if device == "cuda" and method == "trace":
         cls = accuracy.estimate_class(record)
@@ -85,16 +81,11 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
 
 
-def data_parallel(preset: dict) -> bool:
-    """Whether `preset` trains data-parallel: its estimate is then per rank (memory/ranks.py)."""
-    return preset["train"].get("ranks", 1) > 1
-
-
 def with_booking(record: dict, preset: dict) -> dict:
     """Add what the CPU gate books for the whole train process around the live bytes (cpu only; a
     data-parallel rank's process also holds gloo's buffers)."""
     if record["device"] == "cpu":
-        record["cpu_process"] = cpu_process.booking(record, preset)
+        record["cpu_process"] = cpu_booking.booking(record, preset)
         if record.get("data_parallel"):
             record["cpu_process"] = ranks.book_host_communicator(record["cpu_process"])
     return record
@@ -108,7 +99,7 @@ def _ranks_per_node(record: dict) -> int:
 def required_bytes(record: dict) -> int:
     """What the fit gate books for an estimate: on CUDA the predicted device use (peak_bytes) times
     (1 + the uncertainty of its class), so that a class known to err is never trusted as exact; on
-    CPU the predicted peak RSS of the whole train process (memory.cpu_process). Data-parallel: per
+    CPU the predicted peak RSS of the whole train process (memory/cpu_booking.py). Data-parallel: per
     rank on CUDA (each rank has its GPU); on CPU the ranks of a node share its RAM, so a rank's
     process times the ranks per node."""
     if record["device"] == "cpu" and record.get("cpu_process"):
@@ -123,7 +114,7 @@ def finish(record: dict, budget_bytes: int | None, safety_margin: float, seconds
     margin = int(safety_margin * budget_bytes) if budget_bytes is not None else None
     if record["device"] == "cpu" and record.get("cpu_process"):   # the malloc mode this budget allows
         share = budget_bytes // _ranks_per_node(record) if budget_bytes is not None else None
-        record["cpu_process"] = cpu_process.choose_malloc(record["cpu_process"], share, safety_margin)
+        record["cpu_process"] = cpu_booking.choose_malloc(record["cpu_process"], share, safety_margin)
     record["gate_required_bytes"] = required_bytes(record)
     record["budget_bytes"] = int(budget_bytes) if budget_bytes is not None else None
     record["safety_margin"] = safety_margin
@@ -141,60 +132,62 @@ def _device_peak(reserved_peak: int, live: int, cal: dict) -> tuple[int, dict]:
         "allocator_cache": reserved_peak - live - workspace}
 
 
-def _trace(preset: dict, device: str, cal: dict | None, compiled: bool):
-    if data_parallel(preset):     # one rank's step, DDP's buckets and communicator (memory/ranks.py)
+def _trace(preset: dict, cond: conditions.Conditions, cal: dict | None, compiled: bool):
+    device = cond.device
+    if cond.data_parallel:     # one rank's step, DDP's buckets and communicator (memory/trace/ranks.py)
         return ranks.trace_rank_step(preset, device, **({
             "workspace_bytes": cal["cublas_workspace_bytes"],
-            "expandable_segments": planned_allocator(preset)["expandable_segments"]} if device == "cuda" else {}))
+            "expandable_segments": cond.expandable_segments} if device == "cuda" else {}))
     if device == "cuda":
         return trace_step(preset, device, workspace_bytes=cal["cublas_workspace_bytes"],
-                          expandable_segments=planned_allocator(preset)["expandable_segments"], compiled=compiled)
+                          expandable_segments=cond.expandable_segments, compiled=compiled)
     return trace_step(preset, device, compiled=compiled)
 
 
-def _traced(preset: dict, device: str, cal: dict | None, compiled: bool):
+def _traced(preset: dict, cond: conditions.Conditions, cal: dict | None):
     """(trace result, compiled_note): the compiled step's trace when asked for on CPU (within 0.02% of
     real inductor CPU steps), else or when that fails the eager one. On CUDA the eager step: the
     compiled trace (0.66x eager for `large`, 0.67x for `small`) is not checked against a GPU, while a
     compiled step measured 0.63-0.77x its eager peak on CPU and 0.74x for MERL's model on an H100,
     so eager is an upper bound (auto compiles no checkpointed model, where that fails)."""
-    setting = f"train.compile {preset['train'].get('compile')} on {device}"
-    why_eager = _why_eager(preset, device, compiled)
+    setting = f"train.compile {preset['train'].get('compile')} on {cond.device}"
+    why_eager = _why_eager(preset, cond)
     if why_eager is None:
         try:
-            return _trace(preset, device, cal, True), f"{setting}: the compiled step (memory/compiled.py)"
+            return _trace(preset, cond, cal, True), f"{setting}: the compiled step (memory/trace/compiled.py)"
         except Exception as err:  # noqa: BLE001 - any failure of the compiled trace: eager is an upper bound
-            why_eager = f", but the compiled trace failed ({one_line(err)}): the eager step, an upper bound"
-    return _trace(preset, device, cal, False), setting + why_eager
+            why_eager = f", but the compiled trace failed ({error_chain(err)}): the eager step, an upper bound"
+    return _trace(preset, cond, cal, False), setting + why_eager
 
 
-def _why_eager(preset: dict, device: str, compiled: bool) -> str | None:
+def _why_eager(preset: dict, cond: conditions.Conditions) -> str | None:
     """Why the estimate traces the eager step (the end of compiled_note), or None to trace the compiled one."""
-    if not compiled:
+    if not cond.compiled:
         return ": the eager step"
-    if data_parallel(preset):
+    if cond.data_parallel:
         return (": the eager step of a rank, an upper bound: a compiled DistributedDataParallel step "
                 "(DDPOptimizer splits the graph at bucket boundaries) is not modelled")
     if preset["model"]["checkpointing"]:
         return (", checkpointed: the eager step, although the compiled run may need more: the compiled "
                 "trace is not trusted with checkpointing (it predicted 0.56x a real compiled CPU step, "
                 "which took 2.0x the eager peak: bench/results/compiled_estimate_cpu.md)")
-    if device == "cuda" and not accuracy.has_evidence(dict(_planned_class(preset), step="compiled")):
+    if cond.device == "cuda" and not accuracy.has_evidence(dict(_planned_class(preset, cond), step="compiled")):
         return (": the eager step, an upper bound of the compiled one where measured (0.63-0.77x on CPU, "
                 "0.74x for MERL's model on an H100); the compiled trace is used on CUDA once it is "
-                "checked against a GPU's compiled step (memory/compiled.py, bench/gpu_evidence.py)")
+                "checked against a GPU's compiled step (memory/trace/compiled.py, bench/gpu_evidence.py)")
     return None
 
 
-def _planned_class(preset: dict) -> dict:
+def _planned_class(preset: dict, cond: conditions.Conditions) -> dict:
     """The accuracy class a CUDA estimate of `preset` will have, before it is traced."""
-    return accuracy.estimate_class({"attention_backend": modelled_backend(preset, "cuda"),
+    return accuracy.estimate_class({"attention_backend": cond.attention,
                                     "checkpointing": preset["model"]["checkpointing"],
-                                    "allocator": planned_allocator(preset)})
+                                    "allocator": cond.allocator_record()})
 
 
-def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = False) -> dict:
-    r, compiled_note = _traced(preset, device, cal, compiled)
+def _from_trace(preset: dict, cond: conditions.Conditions, cal: dict | None) -> dict:
+    device = cond.device
+    r, compiled_note = _traced(preset, cond, cal)
     breakdown = dict(r.breakdown)
     live = sum(breakdown.values())
     if device == "cuda":
@@ -208,9 +201,7 @@ def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = Fa
         overhead_detail = {}
         uncertainty = CPU_UNCERTAINTY
     breakdown["overhead"] = peak - live
-    backend = modelled_backend(preset, device)
-    if r.kernels:
-        backend = max(r.kernels, key=r.kernels.get)
+    backend = max(r.kernels, key=r.kernels.get) if r.kernels else cond.attention   # what the trace ran
     return {
         "parameters": r.parameters,
         "peak_bytes": int(peak),
@@ -235,9 +226,10 @@ def _from_trace(preset: dict, device: str, cal: dict | None, compiled: bool = Fa
     }
 
 
-def _from_measure(preset: dict, device: str, cal: dict | None) -> dict:
+def _from_measure(preset: dict, cond: conditions.Conditions, cal: dict | None) -> dict:
     from .measure import measure_step
 
+    device = cond.device
     r = measure_step(preset, device, steps=2 if device == "cuda" else 1)
     weights = analytic.static_bytes(preset, device)
     if device == "cuda":
@@ -252,7 +244,7 @@ def _from_measure(preset: dict, device: str, cal: dict | None) -> dict:
         "peak_bytes": int(peak),
         "largest_allocation_bytes": r.largest_allocation,
         "breakdown": {k: int(breakdown[k]) for k in BREAKDOWN_KEYS},
-        "attention_backend": modelled_backend(preset, device),
+        "attention_backend": cond.attention,
         "uncertainty": 0.0,
         "allocated_peak_bytes": int(r.allocated_peak),
         "reserved_peak_bytes": int(r.reserved_peak) if r.reserved_peak is not None else None,

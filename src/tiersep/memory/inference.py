@@ -10,7 +10,7 @@ device, the forward runs, the input is dropped when the call returns, the stems 
 host and dropped.
 
 On a CPU, what `tiersep separate` books is the whole process's peak RSS, as the CPU fit gate books
-a train process (memory.cpu_process): the measured process allowance, plus the live tensor bytes of
+a train process (memory/cpu_booking.py): the measured process allowance, plus the live tensor bytes of
 a call times the factor of a malloc mode (malloc's slack around tensors freed and made again every
 call), plus the host buffers of the stream (memory bounded by the chunk, not the song:
 separate/plan.py). On CUDA the gate books the device use x (1 + uncertainty), and no GPU has measured
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import allocator, calibration, cpu_process
+from . import calibration, cpu_booking
 from .accuracy import NO_EVIDENCE_UNCERTAINTY
+from .conditions import decide
 from .constants import CPU_UNCERTAINTY
-from .cuda_model import CudaEmulation, CudaKernelMemory, modelled_backend
 from .estimate import finish
-from .trace import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, _emulated, _move_order, _peak_from, repeat_steps
-from .tracker import StorageTracker, cpu_block_bytes, cuda_block_bytes
-from tiersep.device import planned_allocator
+from .trace import (CUBLAS_WORKSPACE_BYTES, STEPS, CudaEmulation, CudaKernelMemory, RecordedStep, StorageTracker,
+                    allocator, cpu_block_bytes, cuda_block_bytes, emulated, move_order, peak_from,
+                    repeat_steps)
 
 # Whole-process RSS per live tensor byte of a model call above the allowance, in each malloc mode of
 # the CPU gate (cpu_process), measured by bench/separate.py (bench/results/separate_cpu.md) between a
@@ -44,7 +44,7 @@ from tiersep.device import planned_allocator
 #   song peaked within 1% of a 1-minute one; booked at the gate's 1.10. It was 3-5x slower for 10 s
 #   x 4 batches (their tensors are faulted in again every call), so it is used only when glibc's
 #   booking does not fit the budget, as the CPU gate does.
-FACTORS = {"glibc_default": 1.80, "tuned": cpu_process.LIVE_FACTOR}
+FACTORS = {"glibc_default": 1.80, "tuned": cpu_booking.LIVE_FACTOR}
 
 
 @dataclass
@@ -69,7 +69,7 @@ def record_calls(preset: dict, device: str, chunk_samples: int, batch: int,
     trace.repeat_steps takes it) and the keys of the call's input and output."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
-    from tiersep.evaluate.separate import precision_context
+    from tiersep.model.step import autocast
     from tiersep.model import build_model
 
     bf16 = torch.bfloat16 if preset["train"]["precision"] == "bf16" else None
@@ -81,12 +81,12 @@ def record_calls(preset: dict, device: str, chunk_samples: int, batch: int,
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*autocast.*")
         model = build_model(preset).eval()
-        weights = set(tracker.register([x for x in _move_order(model) if x is not None]))
+        weights = set(tracker.register([x for x in move_order(model) if x is not None]))
         start = len(tracker.timeline.events)
-        with _emulated(model, tracker, emulation, bf16) as stack:
+        with emulated(model, tracker, emulation, bf16) as stack:
             stack.enter_context(tracker)
             # on cuda the forward hooks hold CUDA's autocast policy; on cpu the real CPU autocast
-            stack.enter_context(precision_context(preset["train"]["precision"], torch.device("cpu"))
+            stack.enter_context(autocast(preset["train"]["precision"], "cpu", outer_off=True)
                                 if device == "cpu" else torch.autocast("cpu", enabled=False))
             stack.enter_context(torch.inference_mode())
             pieces = torch.empty(batch, a["channels"], chunk_samples)         # the batch on the device
@@ -110,7 +110,7 @@ def trace_inference(preset: dict, device: str, chunk_samples: int, batch: int,
     on cpu (its peak of live bytes), `calls` on cuda, replayed through the caching-allocator model."""
     rec, io = record_calls(preset, device, chunk_samples, batch, workspace_bytes)
     timeline, starts = repeat_steps(rec, calls if device == "cuda" else 1)
-    peak, at = _peak_from(timeline, starts[0], set())
+    peak, at = peak_from(timeline, starts[0], set())
     reserved = None
     if device == "cuda":
         stats = allocator.replay(timeline, expandable_segments=expandable_segments)
@@ -138,9 +138,9 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
     buffers. `gate_required_bytes` and `fits` as the fit gate sets them (estimate.finish)."""
     began = time.time()
     cal = calibration.resolve(calibration_spec) if device == "cuda" else None
-    expandable = planned_allocator(preset)["expandable_segments"] if device == "cuda" else False
+    cond = decide(preset, device, compiled=False)          # separation runs the eager model
     r = trace_inference(preset, device, chunk_samples, batch,
-                        cal["cublas_workspace_bytes"] if cal else CUBLAS_WORKSPACE_BYTES, expandable)
+                        cal["cublas_workspace_bytes"] if cal else CUBLAS_WORKSPACE_BYTES, cond.expandable_segments)
     live = r.allocated_peak
     peak = r.reserved_peak + cal["context_bytes"] if cal else live
     activations = max(0, live - r.weights)
@@ -154,31 +154,31 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
         "breakdown": {"weights": r.weights, "gradients": 0, "optimizer": 0, "activations": activations,
                       "transient": 0, "overhead": int(peak - live)},
         "io_bytes": r.io_bytes, "peak_op": r.peak_op,
-        "attention_backend": max(r.kernels, key=r.kernels.get) if r.kernels else modelled_backend(preset, device),
+        "attention_backend": max(r.kernels, key=r.kernels.get) if r.kernels else cond.attention,
         "uncertainty": NO_EVIDENCE_UNCERTAINTY if device == "cuda" else CPU_UNCERTAINTY,
         "uncertainty_evidence": (f"no GPU measurement of separation (a forward in inference mode) yet: booked "
                                  f"conservatively at {NO_EVIDENCE_UNCERTAINTY:.0%}" if device == "cuda" else
                                  "the CPU trace counts a real call's live bytes (tests/test_separate_stream.py)"),
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
-        "allocator": {"expandable_segments": expandable} if device == "cuda" else None,
+        "allocator": cond.allocator_record(),
         "notes": r.notes, "torch": torch.__version__,
     }
     if device == "cpu":
-        record["cpu_process"] = cpu_booking(live, host_bytes)
+        record["cpu_process"] = separation_booking(live, host_bytes)
     return finish(record, budget_bytes, safety_margin, time.time() - began)
 
 
-def cpu_booking(live_bytes: int, host_bytes: int) -> dict:
+def separation_booking(live_bytes: int, host_bytes: int) -> dict:
     """The predicted peak RSS of a `tiersep separate` process on a CPU in each malloc mode (see
     module docstring), shaped as the CPU gate's booking: estimate.finish picks glibc's own malloc
-    when its booking fits the budget, else the tuned one (cpu_process.choose_malloc), and the
-    separation applies that mode (cpu_process.configure_malloc)."""
-    allowance = cpu_process.process_allowance()
+    when its booking fits the budget, else the tuned one (cpu_booking.choose_malloc), and the
+    separation applies that mode (tiersep.malloc.configure_malloc)."""
+    allowance = cpu_booking.process_allowance()
     process = int(allowance["process_bytes"])
     booked = {"live_bytes": int(live_bytes), "host_bytes": int(host_bytes), "process_bytes": process,
               "process_source": allowance["source"], "malloc_setting": "auto"}
     for mode, factor in FACTORS.items():
         booked[mode] = {"rss_bytes": int(process + factor * live_bytes + host_bytes), "live_factor": factor,
                         "model": f"{process // 2**20} MiB process + {factor} x live tensor bytes + stream "
-                                 f"buffers, {cpu_process.MODES[mode]}"}
-    return cpu_process.choose_malloc(booked, None, 0.0)
+                                 f"buffers, {cpu_booking.MODES[mode]}"}
+    return cpu_booking.choose_malloc(booked, None, 0.0)

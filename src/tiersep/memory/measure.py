@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .tracker import FORWARD, StorageTracker, cpu_block_bytes
-from .workload import build_workload
-from tiersep.train.step import train_step
-from tiersep.train.telemetry import peak_rss_bytes
+from .trace import FORWARD, StorageTracker, build_workload, cpu_block_bytes
+from tiersep.device import device_type
+from tiersep.model.step import train_step
+from tiersep.probe import peak_rss_bytes
 
 
 @dataclass
@@ -36,7 +36,7 @@ class MeasureResult:
 def measure_step(preset: dict, device: str | None = None, steps: int = 1,
                  model_and_loss=None) -> MeasureResult:
     """Run `steps` real training steps of `preset` and return the peak memory they reached."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or device_type("auto")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("measure: device cuda asked for, but no CUDA device is visible")
     dev = torch.device(device)

@@ -61,7 +61,7 @@ def first_line(err: BaseException) -> str:
     return lines[0].strip() if lines else ""
 
 
-def one_line(err: BaseException) -> str:
+def error_chain(err: BaseException) -> str:
     """The cause in one line, for a warning and for info['reason']: Dynamo wraps a backend's
     error (BackendCompilerFailed ... from the real one), so the innermost cause is named too."""
     root = err
@@ -117,7 +117,7 @@ class CompiledWithFallback(nn.Module):
 
     def fall_back(self, err: Exception, args, kwargs):
         out = self.eager(*args, **kwargs)  # an error here is the input's own: it propagates
-        reason = one_line(err)
+        reason = error_chain(err)
         self.info.update(compiled=False, reason=reason)
         self.warn(f"torch.compile ({self.info['backend']}, mode {self.info['mode']}) failed, "
                   f"running eager instead: {reason}")
@@ -157,7 +157,7 @@ def compile_model(model: nn.Module, mode: str | None = "default", cache_dir: Pat
         compiled = torch.compile(model, backend=backend, fullgraph=fullgraph,
                                  mode=None if mode == "default" else mode)
     except Exception as err:  # noqa: BLE001 - e.g. a backend unknown to this torch
-        info.update(compiled=False, reason=one_line(err))
+        info.update(compiled=False, reason=error_chain(err))
         warn(f"torch.compile ({info['backend']}, mode {mode}) failed, running eager instead: "
              f"{info['reason']}")
         if before_eager is not None:

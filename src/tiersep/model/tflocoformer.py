@@ -250,7 +250,7 @@ class TFLocoformer(nn.Module):
         self.n_fft, self.hop, self.window = n_fft, hop, window
         self.checkpointing, self.normalize_input = checkpointing, normalize_input
         # With checkpointing: a context-manager factory entered around each block's forward and
-        # its recomputation (the CPU trainer's heap trim, memory.cpu_process.trimmed_heap); None: none
+        # its recomputation (the CPU trainer's heap trim, tiersep.malloc.trimmed_heap); None: none
         self.checkpoint_context = None
 
         self.encoder = nn.Sequential(

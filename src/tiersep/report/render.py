@@ -14,7 +14,6 @@ from pathlib import Path
 
 from markupsafe import Markup
 
-from tiersep import config as C
 from tiersep import io
 from tiersep.resources import resource_dir
 from tiersep.report.collect import Collected, collect

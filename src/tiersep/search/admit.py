@@ -10,7 +10,7 @@ The verdict is one of
 - infeasible: nothing is started. `violation_gib` (booking + margin - budget, > 0) goes to
   trial.set_constraint, `reason` (one line) to a user attribute.
 
-On a CPU the booking is the predicted RSS of the whole train process (memory.cpu_process), on a GPU
+On a CPU the booking is the predicted RSS of the whole train process (memory.cpu_booking), on a GPU
 the predicted device use x (1 + its class's uncertainty); the gate adds the safety margin.
 """
 from __future__ import annotations
@@ -127,6 +127,6 @@ class Admitter:
         try:   # gated again, as the trainer's on_oversize: adapt does
             record = gate(variant, self.device, self.budget, self.margin, calibration_spec=self.spec)
         except DoesNotFit as err:
-            sampled.reason = f"does not fit: {over}; its repair does not fit either ({C.one_line(str(err))[:200]})"
+            sampled.reason = f"does not fit: {over}; its repair does not fit either ({C.escape_line_breaks(str(err))[:200]})"
             return sampled
         return Admission("repaired", variant, record, self.budget, levers=levers)

@@ -200,7 +200,7 @@ class Search:
         try:
             preset = trial_preset(self.base, trial.params, name, f"{self.source} (search trial {trial.number})")
         except C.ConfigError as err:   # a combination the preset's cross-field rules refuse
-            self.finish(trial, TrialState.FAIL, f"invalid preset: {C.one_line(str(err))}")
+            self.finish(trial, TrialState.FAIL, f"invalid preset: {C.escape_line_breaks(str(err))}")
             return
         admission = self.admitter.admit(preset)
         self.record_admission(trial, admission)

@@ -28,7 +28,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tiersep.io import write_json, write_text
-from tiersep.memory.fit_matrix import Budget, parse_budgets
+from tiersep.memory.fit.matrix import Budget, parse_budgets
+from tiersep.resources import command_module
 
 from .table import infeasible
 
@@ -144,7 +145,7 @@ def evaluate(config_file: str, folder: Path, number: int, data: Path) -> str | N
         return f"trial {number} has no model.pt (train.export: none?)"
     out.parent.mkdir(parents=True, exist_ok=True)
     log = folder / "eval" / f"{number}.log"
-    cmd = [sys.executable, "-m", "tiersep.cli", "evaluate", "--config", config_file,
+    cmd = [sys.executable, "-m", command_module(), "evaluate", "--config", config_file,
            "--preset", str(folder / "trials" / f"{number}.preset.yaml"), "--model", str(model),
            "--data", str(data), "--out", str(out)]
     with open(log, "w") as f:

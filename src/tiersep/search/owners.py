@@ -124,7 +124,7 @@ class StudyLock:
                 self.connection = self.engine.connect()
             except (ImportError, sqlalchemy.exc.SQLAlchemyError) as err:
                 raise C.ConfigError(f"{source}: search.storage: cannot connect to {storage_url}: "
-                                    f"{C.one_line(str(err))}") from None
+                                    f"{C.escape_line_breaks(str(err))}") from None
             self.sql = sqlalchemy.text
         else:
             folder.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ def _dimension(key: str, spec: dict, where: str) -> Dimension:
             raise C.ConfigError(f"{where}: choices: empty (give at least one value)")
         bad = [c for c in spec["choices"] if not (c is None or isinstance(c, (bool, int, float, str)))]
         if bad:
-            raise C.ConfigError(f"{where}: choices: {C.one_line(repr(bad[0]))[:60]} is not a number, "
+            raise C.ConfigError(f"{where}: choices: {C.escape_line_breaks(repr(bad[0]))[:60]} is not a number, "
                                 "string, boolean or null")
         if spec.get("log") or spec.get("step") is not None:
             raise C.ConfigError(f"{where}: log and step apply to a low/high range, not to choices")
@@ -108,7 +108,7 @@ def _check_values(dim: Dimension, base: dict, preset_name: str, where: str) -> N
             C.validate(C.set_field(base, dim.field, value), "preset.schema.yaml", "x")
         except C.ConfigError as err:
             why = str(err).split(": ", 1)[-1]
-            raise C.ConfigError(f"{where}: value {C.one_line(repr(value))[:60]} is refused by the preset "
+            raise C.ConfigError(f"{where}: value {C.escape_line_breaks(repr(value))[:60]} is refused by the preset "
                                 f"schema ({why})") from None
 
 

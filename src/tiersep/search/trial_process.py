@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from tiersep.resources import command_module
+
 EXIT_OK, EXIT_REFUSED, EXIT_OOM, EXIT_PREEMPTED = 0, 3, 4, 75   # tiersep train's (train/trainer.py)
 PR_SET_PDEATHSIG = 1
 
@@ -38,7 +40,7 @@ def _die_with_parent() -> None:   # runs in the child between fork and exec
 def start(config_file: str, preset_file: Path, data: Path, run_dir: Path, estimate_file: Path,
           log_file: Path, resume: bool, booking=None) -> subprocess.Popen:
     """Start the trial's `tiersep train`; `booking` (a gpu_lease.Booking) is handed over to it."""
-    cmd = [sys.executable, "-m", "tiersep.cli", "train", "--config", config_file, "--preset", str(preset_file),
+    cmd = [sys.executable, "-m", command_module(), "train", "--config", config_file, "--preset", str(preset_file),
            "--data", str(data), "--out", str(run_dir), "--estimate", str(estimate_file)]
     if resume:
         cmd.append("--resume")

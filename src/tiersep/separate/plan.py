@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiersep.config import ConfigError, DoesNotFit
-from tiersep.evaluate.separate import overlap_samples, plan_chunks
+from tiersep.config import DoesNotFit
+from tiersep.device import resolve_device
+from .overlap_add import overlap_samples, plan_chunks
 from tiersep.memory.constants import GIB
 
 BYTES = 4                  # float32 samples
@@ -37,13 +38,10 @@ class Plan:
     tried: list = field(default_factory=list)      # [{chunk_samples, batch, required_bytes, fits}]
 
 
-def resolve_device(wanted: str) -> torch.device:
-    """auto: CUDA when a GPU is visible, else the CPU; cuda without a GPU is a one-line error."""
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible to this process")
-    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def separation_device(wanted: str) -> torch.device:
+    """--device: auto = CUDA when a GPU is visible, else the CPU; cuda without a GPU is a one-line
+    error (tiersep.device.resolve_device)."""
+    return resolve_device(wanted, "--device cuda: no CUDA device is visible to this process")
 
 
 def budget_for(device: torch.device, override_gib: float | None, calibration_spec: str) -> tuple[int, str]:

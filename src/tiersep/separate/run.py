@@ -27,7 +27,7 @@ from tiersep.memory.constants import GIB
 from tiersep.outputs import check, claim, exclusive
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
-from .plan import BLOCK_FRAMES, budget_for, choose, resolve_device
+from .plan import BLOCK_FRAMES, budget_for, choose, separation_device
 from .song import StreamSettings, complement_name, separate_song
 from .stems import SongFiles
 
@@ -106,8 +106,7 @@ def render(template: str, song: str, songext: str, stem: str, ext: str) -> Path:
 def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Module, dict, int | None]:
     """The trained model (weights-only) and its preset: the one given (the file must match it), or
     the preset the file was trained with."""
-    from tiersep.evaluate.run import load_model
-    from tiersep.train.checkpoint import load_model_file
+    from tiersep.model.weights import load_model, load_model_file
 
     if preset is None:
         stored = load_model_file(model_path).get("preset")
@@ -142,7 +141,7 @@ def separate(cfg: dict, opts: Options) -> dict:
           f"{plan.budget_bytes / GIB:.2f} GiB ({plan.budget_source})", file=sys.stderr)
     settings = StreamSettings(plan.chunk_samples, plan.batch, opts.overlap, preset["train"]["precision"],
                               opts.shifts, opts.seed, BLOCK_FRAMES)
-    from tiersep.train.telemetry import MemoryProbe
+    from tiersep.probe import MemoryProbe
 
     probe_ = MemoryProbe(device)
     records = []
@@ -153,10 +152,10 @@ def separate(cfg: dict, opts: Options) -> dict:
                 records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
                                          malloc))
             except (SongError, OSError) as err:
-                failures[song] = _one_line(err, song)
+                failures[song] = _song_failure(err, song)
                 tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
             except torch.OutOfMemoryError as err:
-                failures[song] = f"{song}: out of memory on {device} ({_one_line(err, song)[:160]})"
+                failures[song] = f"{song}: out of memory on {device} ({_song_failure(err, song)[:160]})"
                 tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
             overall.update(1)
     if failures:
@@ -194,7 +193,7 @@ def _plan(cfg: dict, opts: Options, preset: dict, infos: dict):
 
     rate = preset["audio"]["sample_rate"]
     configure_cuda_allocator(preset)                    # before CUDA starts: the mode the estimate models
-    device = resolve_device(opts.device)
+    device = separation_device(opts.device)
     spec = cfg["estimate"]["calibration"]
     budget, source = budget_for(device, opts.budget_gib, spec)
     seconds = [i.seconds for i in infos.values()]
@@ -216,7 +215,7 @@ def _rate_ratio(infos: dict, rate: int) -> float:
 def _apply_malloc(plan) -> dict | None:
     """On a CPU, the malloc mode the plan booked: glibc's own, or the tuned settings when only they
     fit (as the trainer applies the CPU gate's choice)."""
-    from tiersep.memory.cpu_process import configure_malloc
+    from tiersep.malloc import configure_malloc
 
     booked = plan.estimate.get("cpu_process")
     if booked is None:
@@ -228,7 +227,7 @@ def _apply_malloc(plan) -> dict | None:
 
 def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc) -> dict:
     from tiersep.io import write_json
-    from tiersep.train.telemetry import versions
+    from tiersep.probe import versions
 
     began = time.perf_counter()
     sidecar = paths.pop(SIDECAR_KEY)
@@ -292,7 +291,7 @@ def _summary(record: dict, folder: Path) -> str:
     return "\n".join(lines)
 
 
-def _one_line(err: BaseException, song: Path) -> str:
+def _song_failure(err: BaseException, song: Path) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {err.strerror or text}"

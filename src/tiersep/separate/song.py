@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tiersep.evaluate.separate import OverlapAdd, ShiftAverage
+from .overlap_add import OverlapAdd, ShiftAverage
 
 from .audio import AudioInfo, Decoder, SongError
 from .resample import StreamResampler

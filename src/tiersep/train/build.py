@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import os
 
-from tiersep.memory.cpu_process import trimmed_heap
+from tiersep.malloc import trimmed_heap
 from tiersep.train import checkpoint as ckpt
 from tiersep.train.schedule import Schedule
-from tiersep.train.step import make_optimizer
+from tiersep.model.step import make_optimizer
 from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog, SegmentTrace
 
 COMPILE_BACKEND_ENV = "TIERSEP_COMPILE_BACKEND"

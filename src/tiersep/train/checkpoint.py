@@ -9,18 +9,16 @@ Each new last.pt keeps the one before it as last.prev.pt, so a last.pt damaged a
 (a full disk, a copy cut short) costs one checkpoint interval, not the run: see
 load_resume_checkpoint.
 
-Every file is read with `torch.load(weights_only=True)`: tensors and plain Python values only, so
-no code runs from a checkpoint, whoever wrote it. The RNG states are stored as tensors and plain
-numbers for that reason; a file that carries any other object is refused as untrusted
-(UntrustedFile), never quietly skipped.
+Every file is read with `torch.load(weights_only=True)` (model/weights.py): tensors and plain
+Python values only, so no code runs from a checkpoint, whoever wrote it. The RNG states are stored
+as tensors and plain numbers for that reason; a file that carries any other object is refused as
+untrusted (UntrustedFile), never quietly skipped.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import random
-import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -28,21 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiersep.config import ConfigError
 from tiersep.io import atomic_path, torch_save
+from tiersep.model.weights import CheckpointError, UntrustedFile, load_weights_only
 
 CHECKPOINT_DIR = "checkpoints"
 # What every checkpoint written by save_checkpoint holds.
 REQUIRED_KEYS = ("model", "optimizer", "schedule", "step", "best", "rng", "preset", "run")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint or model file that cannot be read; the message is one line naming the file."""
-
-
-class UntrustedFile(CheckpointError):
-    """A .pt file that carries Python objects other than tensors and plain values: loading it
-    fully could run code, so tiersep refuses it (exit 2) instead of falling back or starting over."""
 
 
 def rng_state() -> dict:
@@ -133,59 +122,10 @@ def load_checkpoint(path: Path) -> dict:
     """A checkpoint written by save_checkpoint; CheckpointError (one line naming the file) when it
     is missing, truncated, corrupt or not a tiersep checkpoint."""
     path = Path(path)
-    state = _torch_load(path, what="checkpoint")
+    state = load_weights_only(path, what="checkpoint")
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path}: not a tiersep checkpoint (missing {', '.join(missing)})")
-    return state
-
-
-# numpy arrays in checkpoints written before the RNG states were tensors: torch's documented way to
-# read them weights-only (an ndarray is rebuilt from its dtype and bytes; no other class is allowed).
-NUMPY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-def _torch_load(path: Path, what: str):
-    """torch.load(weights_only=True) on the CPU, with every way a damaged file fails turned into
-    one line, and a file that carries code-bearing objects refused as untrusted."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: {what} not found")
-    try:
-        with torch.serialization.safe_globals(NUMPY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # The weights-only unpickler names a refused class or function as a GLOBAL ("unsupported
-        # GLOBAL posix.system"): the file asks for code. Anything else (an unknown opcode) is damage.
-        found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        if found:
-            raise UntrustedFile(f"{path}: refused: this {what} asks for the Python object {found.group(1)[:80]}, "
-                                "beyond tensors and plain values; loading it could run code, so tiersep does "
-                                "not. Use a file written by tiersep, or remove this one") from None
-        raise _damaged(path, what, err) from None
-    except (RuntimeError, EOFError, ValueError, KeyError, OSError, AttributeError, ImportError,
-            IndexError, TypeError, zipfile.BadZipFile) as err:
-        raise _damaged(path, what, err) from None
-
-
-# torch's weights-only preamble and closing advice: the line between them says what went wrong
-_TORCH_NOISE = ("Weights only load failed", "Please file an issue", "Check the documentation")
-
-
-def _damaged(path: Path, what: str, err: BaseException) -> CheckpointError:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(_TORCH_NOISE)]
-    reason = (lines or [type(err).__name__])[0]
-    size = path.stat().st_size
-    return CheckpointError(f"{path}: unreadable {what} ({size} bytes: {type(err).__name__}: "
-                           f"{reason[:200]}); it is truncated or corrupt")
-
-
-def load_model_file(path: Path) -> dict:
-    """model.pt as tiersep train exports it ({"model": state_dict, "preset", "step"}), read with
-    weights_only=True (no code runs from the file); CheckpointError naming the file otherwise."""
-    path = Path(path)
-    state = _torch_load(path, what="model file")
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise CheckpointError(f"{path}: not a tiersep model.pt (expected a dict with key 'model')")
     return state
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tiersep.config import ConfigError
-from tiersep.device import configure_cuda_allocator
+from tiersep.device import configure_cuda_allocator, device_type
 
 # How long a collective waits for a rank that is alive but silent (a hang, not a death: a rank that
 # dies closes its sockets, and gloo fails the others at once). Validation and checkpoints run on
@@ -58,6 +58,8 @@ def under_torchrun() -> bool:
 
 
 def is_data_parallel(preset: dict) -> bool:
+    """Whether this train process runs data-parallel: the preset asks for ranks, or torchrun started
+    it (a rank). What an estimate models is the preset's alone (memory/conditions.py: ranks > 1)."""
     return preset["train"]["ranks"] > 1 or under_torchrun()
 
 
@@ -87,7 +89,7 @@ def start(preset: dict) -> Ranks:
     ranks = Ranks(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                   int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     configure_cuda_allocator(preset)
-    cuda = preset["train"]["device"] != "cpu" and torch.cuda.is_available()
+    cuda = device_type(preset["train"]["device"]) == "cuda"
     if cuda:
         torch.cuda.set_device(ranks.local_rank)
     elif "OMP_NUM_THREADS" not in env:

@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 import yaml
 
+from tiersep.resources import command_module
 from tiersep.train import record
 from tiersep.train.distributed import LAUNCHER_ENV, LAUNCHER_HOST_ENV, RANK_STATE_ENV
 from tiersep.train.endings import EXIT_OOM, EXIT_RANK_DIED
@@ -45,7 +46,7 @@ RANKS_EXIT_WAIT_S = 60.0
 def torchrun_command(ranks: int, child_args: list[str]) -> list[str]:
     """What runs: torchrun on this node, one process per rank, each `tiersep train <child_args>`."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            "-m", "tiersep.cli", "train", *child_args]
+            "-m", command_module(), "train", *child_args]
 
 
 def srun_torchrun_command(nodes: int, ranks: int, host: str, port: int, job_id: str, cpus: int,
@@ -58,7 +59,7 @@ def srun_torchrun_command(nodes: int, ranks: int, host: str, port: int, job_id: 
             "--cpus-per-task", str(cpus), "--kill-on-bad-exit=1",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
             "--nproc-per-node", str(ranks // nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
-            "--rdzv-id", str(job_id), "-m", "tiersep.cli", "train", *child_args]
+            "--rdzv-id", str(job_id), "-m", command_module(), "train", *child_args]
 
 
 def allocation_nodes(env) -> int | None:
@@ -140,7 +141,7 @@ def run_ranks(job: TrainJob) -> int:
             env[LAUNCHER_HOST_ENV] = host = socket.gethostname()
             command = srun_torchrun_command(nodes, ranks, host, free_port(),
                                             os.environ["SLURM_JOB_ID"], cpus, child_args)
-            shown = " ".join(command[:command.index("tiersep.cli") + 2])
+            shown = " ".join(command[:command.index(command_module()) + 2])
         else:
             command = torchrun_command(ranks, child_args)
             shown = " ".join(command[:7])

@@ -19,7 +19,7 @@ from tiersep.train.job import TrainJob
 from tiersep.train.oom import INJECT_OOM_ENV, maybe_inject_oom, parse_injection
 from tiersep.train.plan import RunPlan
 from tiersep.train.signals import StopFlag, stop_on_signals
-from tiersep.train.step import train_step
+from tiersep.model.step import train_step
 from tiersep.train.validation import validate
 
 

@@ -17,12 +17,13 @@ import torch
 from tiersep import config as C
 from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_allocator
 from tiersep.io import read_json
-from tiersep.memory.cpu_process import configure_malloc, trims_heap
+from tiersep.malloc import configure_malloc
+from tiersep.memory.cpu_booking import trims_heap
 from tiersep.model.compile import compiles
+from tiersep.probe import MemoryProbe
 from tiersep.train.job import TrainJob
 from tiersep.train.oom import plan_micro_batch
 from tiersep.train.resume import resume_state
-from tiersep.train.telemetry import MemoryProbe
 
 # A CPU run is refused ("GPU-sized") when one optimisation step would process more than this many
 # TF-bin x layer x channel units (batch x accumulation x frames x freq bins x layers x emb_dim).

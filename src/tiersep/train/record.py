@@ -10,10 +10,11 @@ import torch
 
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.io import torch_save, write_json
+from tiersep.probe import describe_device, host_info, versions
 from tiersep.records import validate_record
 from tiersep.train import checkpoint as ckpt
 from tiersep.train.oom import attempted_allocation
-from tiersep.train.telemetry import column_max, describe_device, host_info, versions
+from tiersep.train.telemetry import column_max
 
 # The estimate fields run.json keeps beside the measurement.
 ESTIMATE_FIELDS = ("peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "gate_required_bytes",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tiersep.config import ConfigError
 from tiersep.io import write_json
-from tiersep.memory.cpu_process import release_heap
+from tiersep.malloc import release_heap
 from tiersep.outputs import claim, exclusive, only_names
 from tiersep.train import distributed, endings, launch, record
 from tiersep.train.endings import (EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_RANK_DIED,

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from tiersep.train.step import autocast
+from tiersep.model.step import autocast
 
 
 def validate(model, loss_fn, mixtures, stems, batch_size, preset, device) -> dict:
@@ -18,7 +18,7 @@ def validate(model, loss_fn, mixtures, stems, batch_size, preset, device) -> dic
         for start in range(0, mixtures.shape[0], batch_size):
             mix = mixtures[start:start + batch_size].to(device)      # [b, C, S]
             ref = stems[start:start + batch_size].to(device)         # [b, n, C, S]
-            with autocast(preset, device.type):
+            with autocast(preset["train"]["precision"], device.type):
                 est = model(mix)
             est = est.float()                                         # [b, n, C, S]
             losses.append(loss_fn(est, ref).float() * mix.shape[0])

@@ -65,7 +65,7 @@ def _uncertainty(tier: Tier) -> str:
 
 def _ranks(tier: Tier) -> str:
     """A data-parallel tier's ranks, e.g. "4 (2 nodes), per rank": its other figures are one rank's
-    (memory/ranks.py); empty for one rank, so the column shows only when a tier has several."""
+    (memory/trace/ranks.py); empty for one rank, so the column shows only when a tier has several."""
     estimate = tier.estimate or {}
     ranks = estimate.get("ranks") or 1
     if ranks <= 1:

@@ -39,9 +39,9 @@ import dataclasses
 
 import torch
 
-from .constants import MIB
+from ..constants import MIB
 from .tracker import SETUP, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
-from .trace import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, TraceResult, record_step, summarize
+from .step import CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, TraceResult, record_step, summarize
 
 # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB (torch/nn/parallel/distributed.py), and the
 # first bucket's limit, torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (reducer.hpp
@@ -235,7 +235,7 @@ def rank_required_bytes(record: dict) -> int:
 
 
 def book_host_communicator(booked: dict) -> dict:
-    """A CPU rank's process booking (cpu_process.booking) with gloo's host memory added."""
+    """A CPU rank's process booking (cpu_booking.booking) with gloo's host memory added."""
     booked = dict(booked, communicator_bytes=GLOO_COMMUNICATOR_BYTES)
     for mode in ("glibc_default", "tuned"):
         if mode in booked:

@@ -1,4 +1,4 @@
-"""What a CPU training process occupies beyond the live tensors the trace counts.
+"""What a CPU training process occupies beyond the live tensors the trace counts (the CPU booking).
 
 On a CPU the estimate's peak_bytes is the peak of live tensor bytes; the fit gate books the whole
 `tiersep train` process's peak RSS, predicted here (`booking`): a process allowance measured on
@@ -6,150 +6,36 @@ this machine (`process_allowance`: the peak RSS, exit included, of a probe proce
 train process does whatever its preset: imports, the gate's trace, steps of the smallest model;
 plus the loader and bookkeeping) plus the live bytes
 times a factor that covers validation, export and what malloc holds beyond the live tensors. The
-factor depends on the malloc mode: glibc as it comes (fast, looser) or tuned (`configure_malloc`,
-tight, slow); `choose_malloc` picks glibc's own whenever its booking fits the budget.
-Measurements: bench/cpu_rss.py -> bench/results/cpu_rss.md.
-
-Also here:
-- `configure_malloc()`: the tuned mode: a fixed 64 KiB mmap threshold, so freed tensor buffers go
-  back to the kernel instead of leaving holes in a heap that only shrinks from the top. Without it
-  a checkpointed step's RSS grew 1.8-2x its live bytes instead of ~1.1x. It costs page faults on
-  every tensor: cpu_small trained at 0.33 instead of 1.31 steps/s. The trainer calls it only when
-  the estimate chose the tuned mode, before the model exists, and records the mode in run.json.
-- `measure_peak_rss()`: a command's peak RSS from outside, through a small launcher process. A
-  child's ru_maxrss starts at its parent's high-water mark (Linux carries it across fork and
-  exec), so a train process started directly from pytest, or from a bench that has traced, reads
-  as the parent's peak whenever that is higher.
-  (A process's own peak since exec, free of that inheritance: train.telemetry.peak_rss_bytes.)
+factor depends on the malloc mode: glibc as it comes (fast, looser) or tuned
+(tiersep.malloc.configure_malloc: tight, slow); `choose_malloc` picks glibc's own whenever its
+booking fits the budget. Measurements: bench/cpu_rss.py -> bench/results/cpu_rss.md.
+The probe's peak is measured from outside (tiersep.probe.measure_peak_rss).
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import functools
 import hashlib
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from tiersep.malloc import MMAP_THRESHOLD
+from tiersep.probe import measure_peak_rss
+from tiersep.resources import command_module
+
 MIB = 2**20
 KIB = 2**10
-
-# glibc: buffers of at least MMAP_THRESHOLD bytes are mmap'ed and unmapped on free. Setting it
-# explicitly also turns off glibc's dynamic threshold (which otherwise climbs to 32 MiB after the
-# first large free and then serves every tensor below that from a heap that never shrinks).
-MMAP_THRESHOLD = 64 * KIB
-TRIM_THRESHOLD = 128 * KIB     # glibc's own default, pinned so the dynamic rule cannot raise it
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # mallopt parameter numbers (malloc.h)
-
-
-def malloc_env() -> dict[str, str]:
-    """The environment variables that give a new process the settings configure_malloc() applies."""
-    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
-
-
-def _libc_function(name: str):
-    """The C library's function `name` (glibc's on Linux), or None where there is none to call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
-
-
-def configure_malloc() -> dict:
-    """Apply the malloc settings the booking assumes to this process (glibc only); returns what was
-    set, for run.json. Later allocations follow them, so calling it before the model exists is enough."""
-    if not sys.platform.startswith("linux"):
-        return {"allocator": sys.platform, "applied": False, "reason": "not Linux glibc"}
-    mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return {"allocator": "unknown libc", "applied": False, "reason": "no mallopt in the C library"}
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    return {"allocator": "glibc", "applied": bool(ok), "mmap_threshold": MMAP_THRESHOLD,
-            "trim_threshold": TRIM_THRESHOLD, **({} if ok else {"reason": "mallopt refused"})}
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None off glibc."""
-    trim = _libc_function("malloc_trim")
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-@contextlib.contextmanager
-def trimmed_heap():
-    """Give the whole free pages inside glibc's heap back to the kernel (malloc_trim(0)), then run
-    the block. The trainer wraps each checkpointed block's forward and recomputation in it with
-    glibc's own malloc (TFLocoformer.checkpoint_context): each recomputation frees and reallocates
-    a block's activations, and the holes the last one left, fenced by small C++ objects, could not
-    take the next one's (posix_memalign asks more than an exact hole), so the heap grew by about a
-    block per block: r21_10 with 4 layers peaked at 4298-4540 MiB, and at 2904-2944 with the trim.
-    It costs ~10% of a checkpointed step (the pages are faulted in again). A no-op off glibc."""
-    release_heap()
-    yield
-
-
-def release_heap() -> None:
-    """malloc_trim(0): give the whole free pages inside glibc's heap back to the kernel. The trainer
-    calls it once more after a run, its model freed (trainer.train), so that the library pages the
-    exit touches take their room and the booking counts them once. A no-op off glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def trims_heap(preset: dict, mode: str | None) -> bool:
     """Whether a CPU train process of `preset` in malloc `mode` trims its heap around each
     checkpointed block (trimmed_heap): with glibc's own malloc and checkpointing."""
     return mode == "glibc_default" and bool(preset["model"]["checkpointing"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring
-# ---------------------------------------------------------------------------------------------
-# Run in a fresh, small interpreter: start the command, wait for it, write its rusage.
-_LAUNCHER = """
-import json, os, subprocess, sys
-proc = subprocess.Popen(sys.argv[2:])
-_, status, usage = os.wait4(proc.pid, 0)
-with open(sys.argv[1], "w") as f:
-    json.dump({"returncode": os.waitstatus_to_exitcode(status), "maxrss_kib": usage.ru_maxrss,
-               "user_s": usage.ru_utime, "system_s": usage.ru_stime}, f)
-"""
-
-
-def measure_peak_rss(cmd: list[str], env: dict | None = None, cwd=None, log=None,
-                     timeout: float | None = None) -> dict:
-    """Run `cmd` and return {returncode, peak_rss_bytes, user_s, system_s}: its whole-life peak RSS
-    (exit included) from os.wait4. `log`: a file object for its stdout and stderr."""
-    with tempfile.TemporaryDirectory(prefix="tiersep-rss-") as tmp:
-        result = Path(tmp) / "rusage.json"
-        launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(result), *cmd],
-                                    env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                    start_new_session=True)
-        try:
-            launcher.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)   # the launcher's own session: it and the command
-            launcher.wait()
-            raise
-        if launcher.returncode != 0 or not result.is_file():
-            raise RuntimeError(f"measure_peak_rss: the launcher failed ({launcher.returncode}) for {cmd[:3]}")
-        usage = json.loads(result.read_text())
-    return {"returncode": usage["returncode"], "peak_rss_bytes": int(usage["maxrss_kib"]) * KIB,
-            "user_s": usage["user_s"], "system_s": usage["system_s"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,9 +96,23 @@ FALLBACK_PROCESS_BYTES = 1174 * MIB
 # is the default whenever its booking fits; the tuned settings are for a tight budget.
 GLIBC_DEFAULT_FACTOR = 1.50
 MODES = {"glibc_default": "glibc's malloc as it comes",
-         "tuned": f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (cpu_process.configure_malloc)"}
-# What `tiersep train` imports before it builds anything (cli.cmd_train -> train.trainer).
-TRAIN_IMPORTS = "import tiersep.cli, tiersep.train.trainer"
+         "tuned": f"glibc mmap threshold {MMAP_THRESHOLD // KIB} KiB (tiersep.malloc.configure_malloc)"}
+
+
+def train_imports() -> str:
+    """Python that imports what a `tiersep train` process imports before it builds anything: the
+    `tiersep` command's module (resources.command_module) and the trainer it loads (its
+    load_trainer()). Where tiersep is not installed there is no command to import, and the probe
+    imports torch alone."""
+    try:
+        module = command_module()
+    except RuntimeError:
+        return "import torch"
+    return f"import {module}; {module}.load_trainer()"
+
+
+# What `tiersep train` imports before it builds anything (its command module -> the trainer).
+TRAIN_IMPORTS = train_imports()
 # The probe's model: the smallest real TF-Locoformer (1 layer x 8 channels, 0.25 s at 8 kHz).
 PROBE_PRESET = {
     "name": "process_allowance_probe",
@@ -232,10 +132,9 @@ def probe_train_process() -> None:
     import torch
 
     from tiersep import config
-    from tiersep.memory.trace import trace_step
-    from tiersep.memory.workload import build_workload
-    from tiersep.train.step import train_step
-    from tiersep.train.telemetry import peak_rss_bytes
+    from tiersep.memory.trace import build_workload, trace_step
+    from tiersep.model.step import train_step
+    from tiersep.probe import peak_rss_bytes
 
     preset = config.validate(json.loads(json.dumps(PROBE_PRESET)), "preset.schema.yaml", "probe")
     trace_step(preset, "cpu")                            # the gate's trace
@@ -249,7 +148,7 @@ def probe_train_process() -> None:
     print(json.dumps({"peak_before_exit_bytes": peak_rss_bytes(), "losses": losses}))
 
 
-_PROBE = "\nfrom tiersep.memory.cpu_process import probe_train_process\nprobe_train_process()"
+_PROBE = "\nfrom tiersep.memory.cpu_booking import probe_train_process\nprobe_train_process()"
 
 
 def measure_process_allowance() -> dict:

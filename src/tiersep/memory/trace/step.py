@@ -7,7 +7,7 @@ For device `cuda`, CudaEmulation applies CUDA's autocast policy and SDPA kernels
 adds what CUDA kernels allocate internally, the host-side AdamW step counters are left out, and the
 timeline is replayed through the caching-allocator model.
 
-The timeline follows the real run (memory/workload.py, as memory/measure.py runs it): the weights
+The timeline follows the real run (memory/trace/workload.py, as memory/measure.py runs it): the weights
 moved to the device one by one, the AdamW state created by one step on zero gradients, every
 micro-batch's inputs made resident (0.1 * randn), then `steps` training steps. The first step is
 traced; later ones repeat its events, after freeing what it left (the gradients, which the next
@@ -27,10 +27,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import allocator
 from .compiled import CompiledStepTracker, compile_now
-from .cuda_model import CudaEmulation, CudaKernelMemory
+from .emulation import CudaEmulation
+from .kernels import CudaKernelMemory
 from .tracker import FORWARD, UPDATE, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
-from tiersep.train.step import train_step
+from tiersep.model.step import train_step
 
 # In torch's counters: the cuBLAS workspace torch allocates through the caching allocator for each
 # thread's handle on its first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB
@@ -63,7 +64,7 @@ class TraceResult:
     expandable_segments: bool = False
     notes: list = field(default_factory=list)
     compiled: bool = False          # the step of the torch.compile'd model
-    data_parallel: dict | None = None   # a rank's DDP buckets and communicator (memory/ranks.py)
+    data_parallel: dict | None = None   # a rank's DDP buckets and communicator (memory/trace/ranks.py)
 
 
 @dataclass
@@ -114,7 +115,7 @@ def _forward_hooks(model, tracker: StorageTracker, emulation: CudaEmulation | No
 
 
 @contextlib.contextmanager
-def _emulated(model, tracker: StorageTracker, emulation: CudaEmulation | None, dtype,
+def emulated(model, tracker: StorageTracker, emulation: CudaEmulation | None, dtype,
               starts: list | None = None, ends: list | None = None):
     """The CUDA emulation (if any) and the forward hooks, as a training step of `model` runs under."""
     with contextlib.ExitStack() as stack:
@@ -124,12 +125,12 @@ def _emulated(model, tracker: StorageTracker, emulation: CudaEmulation | None, d
         yield stack
 
 
-def _move_order(model: torch.nn.Module) -> list[torch.Tensor]:
+def move_order(model: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters and buffers in the order model.to(device) copies them (Module._apply: children
     first, then the module's own parameters and buffers)."""
     out = []
     for child in model.children():
-        out += _move_order(child)
+        out += move_order(child)
     return out + list(model._parameters.values()) + list(model._buffers.values())
 
 
@@ -137,9 +138,9 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
                 workspace_bytes: int = CUBLAS_WORKSPACE_BYTES, compiled: bool = False,
                 sync_frees: dict | None = None) -> RecordedStep:
     """Record the setup and one training step of `preset` as they would run on `device` (`compiled`:
-    of the torch.compile'd model, memory/compiled.py). `sync_frees` ({event index: [keys]}, filled
+    of the torch.compile'd model, memory/trace/compiled.py). `sync_frees` ({event index: [keys]}, filled
     while the first micro-batch is traced): frees that happen in the step's last micro-batch only,
-    before the traced micro-batch's event of that index (memory/ranks.py: DistributedDataParallel
+    before the traced micro-batch's event of that index (memory/trace/ranks.py: DistributedDataParallel
     moves each gradient into its bucket in the micro-batch that synchronises)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
@@ -158,7 +159,7 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         built = model_and_loss(preset) if model_and_loss else (build_model(preset), build_loss(preset))
 
         def build(p):
-            tracker.register([x for x in _move_order(built[0]) if x is not None])
+            tracker.register([x for x in move_order(built[0]) if x is not None])
             tracker.recording = True
             return built
 
@@ -173,10 +174,10 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         step_start = len(tracker.timeline.events)
         traced = min(len(work.inputs), TRACED_MICRO_BATCHES)
         starts, ends = [], []       # each forward's first and last event
-        step_model, holder = compile_now(model, work, preset, device, lambda m: _emulated(
+        step_model, holder = compile_now(model, work, preset, device, lambda m: emulated(
             m, tracker, emulation, bf16), emulation) if compiled else (model, None)
 
-        with _emulated(step_model, tracker, emulation, bf16, starts, ends) as stack:
+        with emulated(step_model, tracker, emulation, bf16, starts, ends) as stack:
             stack.enter_context(tracker)
             stack.enter_context(holder.tracking(tracker) if holder else contextlib.nullcontext())
             train_step(step_model, work.loss_fn, optimizer, work.inputs[:traced], preset, device)
@@ -371,7 +372,7 @@ def trace_step(preset: dict, device: str = "cuda", model_and_loss=None,
     `workspace_bytes`: the cuBLAS workspace of the device calibration; `expandable_segments`: the
     caching allocator's mode (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); `steps`: training
     steps replayed through the allocator model (cuda; the CPU trace counts one); `compiled`: the
-    torch.compile'd model's steps (memory/compiled.py; raises when they cannot be traced)."""
+    torch.compile'd model's steps (memory/trace/compiled.py; raises when they cannot be traced)."""
     rec = record_step(preset, device, model_and_loss, workspace_bytes, compiled)
     return summarize(rec, device, expandable_segments, steps, compiled)
 
@@ -384,7 +385,7 @@ def summarize(rec: RecordedStep, device: str, expandable_segments: bool = False,
     timeline, starts = repeat_steps(rec, steps)
     exclude = rec.host
     # the peak of the steps (torch.cuda.reset_peak_memory_stats() after the setup)
-    peak, at = _peak_from(timeline, starts[0], exclude)
+    peak, at = peak_from(timeline, starts[0], exclude)
     live = timeline.live_at(at, exclude=exclude)
     sizes = {k: timeline.allocations[k].nbytes for k in live}
 
@@ -433,7 +434,7 @@ def summarize(rec: RecordedStep, device: str, expandable_segments: bool = False,
         notes=notes, compiled=compiled)
 
 
-def _peak_from(timeline: Timeline, start: int, exclude: set) -> tuple[int, int]:
+def peak_from(timeline: Timeline, start: int, exclude: set) -> tuple[int, int]:
     """(peak live bytes at or after event `start`, index of the event that reached it)."""
     live = 0
     for key, sign in timeline.events[:start]:

@@ -7,7 +7,7 @@ later chunk reaches it. Dividing by the summed window (not relying on the window
 makes the cross-fade exact for any chunk, overlap and track length: a model that returns its input
 reconstructs the input. Host memory is bounded by the chunk and the batch, not by the track.
 
-`OverlapAdd` is the one implementation: `separate()` (evaluate, a whole track in memory) pushes a
+`OverlapAdd` is the one implementation: `separate_track()` (evaluate, a whole track in memory) pushes a
 track through it, and `tiersep separate` pushes decoded blocks of a song, so both give the same
 numbers for the same chunk and batch. `ShiftAverage` averages several passes whose input is
 delayed by different amounts (random-shift test-time augmentation, as demucs's --shifts).
@@ -20,6 +20,8 @@ from typing import Callable
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from tiersep.model.step import autocast
 
 
 def chunk_window(chunk: int, overlap: int) -> torch.Tensor:
@@ -48,15 +50,6 @@ def overlap_samples(chunk_samples: int, overlap: float) -> int:
     return min(int(round(chunk_samples * overlap)), chunk_samples - 1)
 
 
-def precision_context(precision: str, device: torch.device):
-    """bf16 autocast (on CUDA and on CPU) or none, as the model runs in separation."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    if precision != "fp32":
-        raise ValueError(f"precision: {precision!r} is not one of fp32, bf16")
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
 class OverlapAdd:
     """Streaming overlap-add separation: `push(block [C, n])` and finally `close()`, each returning
     the stems that are finished, [n_src, C, m] float32 on the CPU (m may be 0), in track order.
@@ -77,7 +70,7 @@ class OverlapAdd:
         if batch < 1 or delay < 0:
             raise ValueError(f"batch: must be positive and delay not negative, got {batch}, {delay}")
         self.device = torch.device(device)
-        precision_context(precision, self.device)          # an unknown precision fails here
+        autocast(precision, self.device.type, outer_off=True)   # an unknown precision fails here
         self.model, self.precision, self.batch, self.delay = model, precision, batch, delay
         self.chunk = chunk_samples
         self.overlap = overlap_samples(chunk_samples, overlap)
@@ -160,7 +153,7 @@ class OverlapAdd:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode(), precision_context(self.precision, self.device):
+            with torch.inference_mode(), autocast(self.precision, self.device.type, outer_off=True):
                 estimates = self.model(pieces.to(self.device, non_blocking=True))   # [b, n_src, C, chunk]
         finally:
             self.model.train(was_training)
@@ -232,7 +225,7 @@ class ShiftAverage:
         return total.div_(len(self.passes))
 
 
-def separate(
+def separate_track(
     model: torch.nn.Module,
     mixture: torch.Tensor | np.ndarray,
     chunk_samples: int,
@@ -247,7 +240,7 @@ def separate(
     The mixture is pushed a chunk at a time (views, no copies) and each finished block is copied
     into the one output tensor, so memory is the track, its stems and one chunk batch.
     overlap: fraction of a chunk shared with the next (0 <= overlap < 1). precision: "bf16" runs
-    the model under bf16 autocast (on CUDA and on CPU), "fp32" without.
+    the model under bf16 autocast (on CUDA and on CPU), "fp32" without (model.step.autocast).
     """
     mixture = torch.as_tensor(mixture, dtype=torch.float32)
     if mixture.ndim != 2:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from tiersep.model import build_loss, build_model
-from tiersep.train.step import make_optimizer
+from tiersep.model.step import make_optimizer
 
 
 @dataclass

@@ -21,11 +21,10 @@ import copy
 import json
 from dataclasses import dataclass
 
-from . import accuracy, analytic, calibration
-from .constants import GIB, MIB
-from .cuda_model import modelled_backend
-from .estimate import estimate, finish, with_booking
-from tiersep.device import planned_allocator
+from .. import accuracy, analytic, calibration
+from ..conditions import Conditions, decide
+from ..constants import GIB, MIB
+from ..estimate import estimate, finish, with_booking
 
 ROUNDS = 4   # trace checks before giving up: each tightens the analytic form to what the trace said
 # A shorter segment's first guess aims this far below the budget: the closed form anchored on the
@@ -110,16 +109,17 @@ class FitSearch:
         self.cal = calibration.resolve(calibration_spec) if device == "cuda" else None
         self.traces: dict[str, dict] = {}
         self.numels = analytic.parameter_numels(preset)
+        self.conditions = decide(preset, device)          # the preset's; each variant decides its own
         self.reused = int(estimate_record is not None and self.reusable(estimate_record))
         if self.reused:
             self.traces[self._key(preset)] = copy.deepcopy(estimate_record)
         self.original = self.traced(preset)
         self.coefficients = analytic.load_calibration()
         # Scale the closed form to this preset's trace so the search is centred on the trace.
-        self.ratio = self.original["peak_bytes"] / self._analytic_peak(preset)
+        self.ratio = self.original["peak_bytes"] / self._analytic_peak(preset, self.conditions)
         t, m = preset["train"], preset["model"]
         self.effective = t["batch_size"] * t["grad_accum"]
-        self.backend = "auto" if modelled_backend(preset, device) == "math" else m["attention_backend"]
+        self.backend = "auto" if self.conditions.attention == "math" else m["attention_backend"]
         self.bf16_options = [False] if t["precision"] == "bf16" else [False, True]
         self.ckpt_options = [True] if m["checkpointing"] else [False, True]
 
@@ -141,7 +141,7 @@ class FitSearch:
                 "parameters": sum(self.numels)}
         if any(record.get(k) != v for k, v in same.items()) or "uncertainty" not in record:
             return False
-        if record.get("ranks", 1) != t.get("ranks", 1):    # a rank's figures (memory/ranks.py)
+        if record.get("ranks", 1) != t.get("ranks", 1):    # a rank's figures (memory/trace/ranks.py)
             return False
         if self.device != "cuda":
             return True
@@ -149,7 +149,7 @@ class FitSearch:
         return (all(used.get(k) == self.cal["used"][k] for k in ("name", "source"))
                 and used.get("context_bytes") == self.cal["context_bytes"]
                 and (record.get("allocator") or {}).get("expandable_segments")
-                == planned_allocator(p)["expandable_segments"])
+                == self.conditions.expandable_segments)
 
     def traced(self, variant: dict) -> dict:
         """The trace estimate of `variant` without a budget (`verdict` judges it), run once."""
@@ -162,8 +162,8 @@ class FitSearch:
         """`record` judged against `budget_bytes` as the gate judges it (estimate.finish)."""
         return finish(copy.deepcopy(record), budget_bytes, self.margin, record.get("seconds", 0.0))
 
-    def _analytic_peak(self, variant: dict) -> float:
-        return analytic.predict(variant, self.device, calibration=self.coefficients, numels=self.numels,
+    def _analytic_peak(self, variant: dict, cond: Conditions) -> float:
+        return analytic.predict(variant, cond, calibration=self.coefficients, numels=self.numels,
                                 device_cal=self.cal)["peak"]
 
     def _analytic_record(self, variant: dict, scale: float, uncertainty: float) -> dict:
@@ -171,12 +171,12 @@ class FitSearch:
         the original's fields, the variant's settings, and on cuda the uncertainty of the variant's
         class as estimate() states it (at least `uncertainty`)."""
         record = {k: v for k, v in self.original.items() if k != "cpu_process"}
-        t = variant["train"]
-        record.update(peak_bytes=int(scale * self.ratio * self._analytic_peak(variant)), uncertainty=uncertainty,
+        t, cond = variant["train"], decide(variant, self.device)
+        record.update(peak_bytes=int(scale * self.ratio * self._analytic_peak(variant, cond)), uncertainty=uncertainty,
                       precision=t["precision"], batch_size=t["batch_size"], grad_accum=t["grad_accum"],
                       segment_samples=variant["audio"]["segment_samples"],
                       checkpointing=variant["model"]["checkpointing"],
-                      attention_backend=modelled_backend(variant, self.device))
+                      attention_backend=cond.attention)
         if "uncertainty_class" in self.original:   # the gate books peak x (1 + its class's uncertainty)
             record["uncertainty"] = max(uncertainty, accuracy.uncertainty(accuracy.estimate_class(record))[0])
         return with_booking(record, variant)
@@ -249,7 +249,7 @@ class FitSearch:
         shorter-segment search is centred on a trace of its own mode, not the original's (traced
         once, whatever the budget)."""
         v = self.frugal(self.preset["audio"]["segment_samples"])
-        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v))
+        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v, decide(v, self.device)))
 
     def frugal(self, segment: int | None = None) -> dict:
         """Every lever pulled: micro-batch 1, checkpointing, bf16, a fused kernel; at `segment`

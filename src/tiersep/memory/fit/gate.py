@@ -5,23 +5,15 @@ trainer hands in: on CUDA the configured budget_gib capped by the GPU's free mem
 machine's available RAM (psutil). What it books is the estimate's `gate_required_bytes`
 (estimate.required_bytes): on CUDA the predicted device use times (1 + the uncertainty of the
 estimate's class, memory/accuracy.py), on CPU the predicted RSS of the whole train process
-(memory.cpu_process); then the safety margin of the budget on top.
+(memory/cpu_booking.py); then the safety margin of the budget on top.
 """
 from __future__ import annotations
 
-from .constants import GIB
-from .estimate import estimate as make_estimate
-from .estimate import finish
+from tiersep.config import DoesNotFit
 
-
-class DoesNotFit(Exception):
-    """The estimated peak plus the safety margin exceeds the budget; the message says what fits."""
-
-    def __init__(self, message: str, estimate: dict | None = None, budget_bytes: int | None = None,
-                 suggestion: list[str] | None = None, fitted: dict | None = None):
-        super().__init__(message)
-        self.estimate, self.budget_bytes, self.suggestion = estimate, budget_bytes, suggestion
-        self.fitted = fitted  # the variant that fits (what on_oversize: adapt trains), if any
+from ..constants import GIB
+from ..estimate import estimate as make_estimate
+from ..estimate import finish
 
 
 def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin: float,
@@ -30,7 +22,7 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
     estimate the compiled (True) or eager (False) step; None: as the preset will run."""
     device_type = "cuda" if device_type == "cuda" else "cpu"
     if estimate is not None and estimate.get("ranks", 1) != preset["train"].get("ranks", 1):
-        estimate = None    # made for another number of ranks: a rank's figures differ (memory/ranks.py)
+        estimate = None    # made for another number of ranks: a rank's figures differ (memory/trace/ranks.py)
     if estimate is None:
         estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec,
                                  compiled=compiled)
@@ -56,7 +48,7 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
              f"({margin / GIB:.2f} GiB) exceeds the budget of {budget_bytes / GIB:.2f} GiB")
     suggestion = fitted = None
     try:
-        from .fit import fit
+        from .search import fit
 
         fitted, suggestion = fit(preset, budget_bytes, device_type, safety_margin, calibration_spec)
         hint = (f"nearest change that fits: {'; '.join(suggestion)} (`tiersep fit --preset "

@@ -1,7 +1,7 @@
 """What fits which GPU: for every tier and budget, the nearest variant that fits (`tiersep fit
 --gpus`, the workflow's results/vram/fit_matrix.json, the report's "What fits which GPU").
 
-Each tier gets one FitSearch (memory/fit.py): one trace of the preset, the analytic form scaled by
+Each tier gets one FitSearch (memory/fit/search.py): one trace of the preset, the analytic form scaled by
 it for the search, and one trace per distinct chosen variant, kept across budgets. A cell is
 therefore exactly what `tiersep fit --preset P --budget B` derives, judged by the gate's rule
 (estimate.finish). A budget is a number of GiB or a GPU of the calibration table
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from tiersep.config import ConfigError
 
-from . import accuracy, calibration
-from .constants import GIB
+from .. import accuracy, calibration
+from ..constants import GIB
 from .cost import recompute_fraction
-from .fit import FitSearch, Fitted, NothingFits, fitted_name
+from .search import FitSearch, Fitted, NothingFits, fitted_name
 
 MAX_BUDGET_GIB = 4096   # as budget_gib in config.schema.yaml
 SHORTER_SEGMENT_MARK = "*"

@@ -8,7 +8,7 @@ counter gives the live bytes a real run would have without allocating them.
 
 What it cannot see by itself: memory a kernel allocates internally (cuDNN/cuBLAS workspaces,
 clones inside cuFFT calls) and the order in which a device kernel allocates its outputs. An `op_model`
-(tiersep.memory.cuda_model.CudaKernelMemory for CUDA) supplies both: for each op it may return a plan,
+(tiersep.memory.trace.kernels.CudaKernelMemory for CUDA) supplies both: for each op it may return a plan,
 a list of steps `("out", index[, nbytes])` (record output `index` now, booking `nbytes` for its
 storage), `("alloc", name, nbytes[, label])` and `("free", name)` for kernel-internal buffers, and
 `("accumulate", index, operand)`: output `index` takes over `operand`'s block if `operand` is freed

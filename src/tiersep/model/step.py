@@ -1,4 +1,5 @@
-"""One optimisation step, shared by the trainer and the memory estimator.
+"""One optimisation step and the autocast rule, shared by the trainer, the memory estimator and
+separation.
 
 The estimator traces exactly this code on fake tensors, so what it predicts is what the trainer
 runs: keep every allocation of a training step here (autocast, accumulation, clipping, AdamW).
@@ -12,11 +13,20 @@ from typing import Callable, Iterable
 import torch
 
 
-def autocast(preset: dict, device_type: str):
-    """bf16 autocast when the preset asks for it (norms, RoPE and STFT opt out inside the model)."""
-    if preset["train"]["precision"] == "bf16":
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(precision: str, device_type: str, *, outer_off: bool = False):
+    """The one autocast rule of the model, training or separating: bf16 runs under bf16 autocast
+    (norms, RoPE and STFT opt out inside the model); fp32 runs as it is. outer_off: under fp32, turn
+    off an autocast that the caller may be inside (separation, where the model must run in fp32 as
+    asked whatever surrounds it); without it fp32 adds no context at all, so the training step and
+    its trace on fake tensors dispatch exactly as before. An unknown precision is a ValueError."""
+    if precision == "bf16":
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    if precision != "fp32":
+        raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return torch.autocast(device_type=device_type, enabled=False) if outer_off else contextlib.nullcontext()
 
 
 def make_optimizer(model: torch.nn.Module, preset: dict, device_type: str) -> torch.optim.AdamW:
@@ -53,7 +63,7 @@ def train_step(
         # needs to, the others accumulate locally (no_sync covers its forward and backward)
         sync = model.no_sync() if index < n - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()
         with sync:
-            with autocast(preset, device_type):
+            with autocast(preset["train"]["precision"], device_type):
                 estimates = model(mixture)
             loss = loss_fn(estimates.float(), stems) / n
             loss.backward()

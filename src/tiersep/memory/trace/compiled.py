@@ -300,13 +300,13 @@ def compile_now(model: torch.nn.Module, work, preset: dict, device: str, context
     """(compiled model, its TraceHolder), its graphs compiled by one forward and backward on the
     first micro-batch, under `context(model)` (the trace's emulation), before any tracker runs:
     Dynamo does not compile under a TorchDispatchMode such as the StorageTracker."""
-    from tiersep.train.step import autocast
+    from tiersep.model.step import autocast
 
     holder = TraceHolder()
     compiled = compile_for_trace(model, holder, device, emulation)
     mixture, stems = work.inputs[0]
     with context(compiled):
-        with autocast(preset, device):
+        with autocast(preset["train"]["precision"], device):
             estimates = compiled(mixture)
         work.loss_fn(estimates.float(), stems).backward()
     work.optimizer.zero_grad(set_to_none=True)
