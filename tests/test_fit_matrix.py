@@ -162,6 +162,10 @@ def test_budgets_from_the_config_name_the_file_and_key():
     budgets = fit_matrix.config_budgets(own)
     assert [b.label for b in budgets] == ["8 GiB", "NVIDIA H100 80GB HBM3", "10 GiB"]   # budget_gib joins
     assert fit_matrix.gpus_argument(budgets) == "8,NVIDIA H100 80GB HBM3,10"
+    # issue 32: a small budget_gib keeps its own figure (bytes / GiB of 0.001 GiB read 0.000999999)
+    tiny = fit_matrix.config_budgets(C.deep_merge(cfg, {"budget_gib": 0.001}))
+    assert fit_matrix.gpus_argument(tiny).endswith(",0.001")
+    assert fit_matrix.parse_budgets(["0.001"], "--gpus")[0].label == "0.001 GiB"
     bad = C.deep_merge(cfg, {"fit_matrix": {"gpus": ["A100"]}})
     with pytest.raises(C.ConfigError, match=r"config/config.yaml: fit_matrix.gpus: 'A100' is not a GPU"):
         fit_matrix.config_budgets(bad)

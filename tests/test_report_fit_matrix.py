@@ -75,3 +75,15 @@ def test_names_in_the_matrix_are_text(tmp_path):
     assert "<img src=x" not in page and "<b>8</b>" not in page and "&lt;b&gt;8&lt;/b&gt;" in page
     assert re.search(r'id="fit-_3c_img_20_src_3d_x', page)   # an id of its own, no space or quote
     assert "<img src=x" not in markdown and "<b>8</b>" not in markdown
+
+
+def test_a_small_budget_is_its_own_column_and_no_rerun_is_advised():
+    """A budget_gib of more digits than a column label holds is still its own column, named so; the
+    report once advised a rerun that could not help (0.001 GiB became a 0.000999999 GiB column)."""
+    from tiersep.report.sections.fit_matrix import header, same_budget
+
+    own = int(0.0012345678 * 2**30)   # budget_gib: 0.0012345678; its column is `--gpus 0.00123457`
+    column = {"label": "0.00123457 GiB", "bytes": int(0.00123457 * 2**30), "gpu": None}
+    assert column["bytes"] != own   # 6 significant digits: a few bytes apart
+    assert same_budget(column, own) and header(column, own) == "0.00123457 GiB · your budget_gib"
+    assert not same_budget({"label": "0.002 GiB", "bytes": int(0.002 * 2**30), "gpu": None}, own)

@@ -119,7 +119,8 @@ def config_budgets(cfg: dict) -> list[Budget]:
 
 def gpus_argument(budgets: list[Budget]) -> str:
     """`--gpus` for these budgets (what the workflow's fit_matrix job is given)."""
-    return ",".join(b.gpu if b.gpu is not None else f"{b.bytes / GIB:g}" for b in budgets)
+    # a number as its label has it (6 significant digits): bytes / GiB of 0.001 GiB read 0.000999999
+    return ",".join(b.gpu if b.gpu is not None else b.label.removesuffix(" GiB") for b in budgets)
 
 
 # ---- cells --------------------------------------------------------------------------------------

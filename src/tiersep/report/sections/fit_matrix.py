@@ -56,11 +56,17 @@ def matrix_cell(cell: dict, budget: dict) -> Cell:
                 markdown=f"{cell['short']} ({format_bytes(cell['peak_bytes'])})".replace("*", "\\*"))
 
 
+def same_budget(budget: dict, own_budget: int | None) -> bool:
+    """Whether a column is the config's budget_gib: its bytes as written to 6 significant digits
+    (a column label's precision), so 0.001 GiB is the column `--gpus 0.001` made."""
+    return own_budget is not None and abs(budget["bytes"] - own_budget) <= max(own_budget * 1e-5, 1)
+
+
 def header(budget: dict, own_budget: int | None) -> str:
     label = budget["label"]
     if budget.get("gpu"):
         label += f" ({budget['bytes'] / 2**30:.1f} GiB)"
-    return label + (" · your budget_gib" if own_budget is not None and budget["bytes"] == own_budget else "")
+    return label + (" · your budget_gib" if same_budget(budget, own_budget) else "")
 
 
 def fit_matrix_table(collected: Collected) -> Table:
@@ -82,7 +88,7 @@ def fit_matrix_table(collected: Collected) -> Table:
         "(shown as micro-batch x accumulation), checkpointing (ckpt), bf16, a shorter segment.")
     if any(c.get("changes_input") for row in matrix["tiers"] for c in row["cells"]):
         table.notes.append(SEGMENT_NOTE)
-    if own is not None and all(b["bytes"] != own for b in matrix["budgets"]):
+    if own is not None and not any(same_budget(b, own) for b in matrix["budgets"]):
         table.notes.append(f"Your budget_gib ({format_bytes(own)}) is not a column: fit_matrix.json was made "
                            "with other budgets; run the fit_matrix rule again.")
     return table
