@@ -1,16 +1,17 @@
 # The merged config every job reads (Snakemake's config after --configfile/--config, validated).
 # This rule makes it when it is missing; a run that starts jobs writes it again first (onstart in
-# common.smk). It has no params on purpose: a config change must not rerun this job, or Snakemake
-# would skip the params check of every job below it (their config input is ancient) and the first
-# run would do nothing but rewrite this file.
+# common.smk). It has no params on purpose, and its command reads the merged config from a global
+# of the Snakefile, outside the command's text: a config change must not rerun this job, or
+# Snakemake would skip the params check of every job below it (their config input is ancient) and
+# the first run would do nothing but rewrite this file.
 rule config:
     output:
         CONFIG_FILE,
     log:
         "logs/config.log",
     localrule: True
-    run:
-        write_merged_config(log[0])
+    shell:
+        "tiersep config --merged {MERGED_CONFIG:q} --out {output} > {log} 2>&1"
 
 
 # Ingest + validate + resample once. One job per (source, rate); the folder is one output, so a
