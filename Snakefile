@@ -12,6 +12,13 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"  # validates the config once: one line naming file and key
 
 
+# results/config.yaml, which every job reads, written again before the first job of a run: not in a
+# dry run (nothing is written) nor in cluster jobs (Snakemake runs no hooks there).
+onstart:
+    if os.path.exists(CONFIG_FILE):
+        write_merged_config()
+
+
 # Every rule runs in the same software: the project's Apptainer image (--sdm apptainer) or conda
 # environment (--sdm conda).
 container: CONTAINER

@@ -388,7 +388,8 @@ def cmd_config(args, cfg):
         return 0
     if not (args.merged and args.out):
         raise C.ConfigError("give --check FILE..., or both --merged and --out")
-    merged = C.validate(json.loads(args.merged), "config.schema.yaml", "the workflow's merged config")
+    text = Path(args.merged[1:]).read_text() if args.merged.startswith("@") else args.merged
+    merged = C.validate(json.loads(text), "config.schema.yaml", "the workflow's merged config")
     C.check_config(merged)
     write_text(args.out, C.dump_preset(merged))
     return 0
@@ -554,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "`snakemake --configfile` merges them; a bad one ends in one line naming the file, "
                        "the line or key. --merged/--out: the workflow's rule.")
     p.add_argument("--check", nargs="+", metavar="FILE", help="config files to check, in --configfile order")
-    p.add_argument("--merged", metavar="JSON", help="the merged config as JSON")
+    p.add_argument("--merged", metavar="JSON", help="the merged config as JSON, or @FILE holding it")
     p.add_argument("--out", help="YAML to write, e.g. results/config.yaml")
     p.set_defaults(func=cmd_config, config=None)
 

@@ -50,19 +50,24 @@ CONFIG_FILE = f"{RESULTS}/config.yaml"
 MERGED_CONFIG = json.dumps(
     {k: v for k, v in CFG.items() if not k.startswith("_")}, sort_keys=True
 )
+# The merged config as the `config` job reads it, from this file and not from params or its command's
+# text, since either would make a config change rerun that job. Snakemake then skips the params check
+# of every job below it (their config input is ancient), so the first run would only rewrite it.
+MERGED_FILE = ".snakemake/tiersep/merged-config.json"
+if workflow.is_main_process and (
+    not os.path.isfile(MERGED_FILE) or Path(MERGED_FILE).read_text() != MERGED_CONFIG
+):
+    os.makedirs(os.path.dirname(MERGED_FILE), exist_ok=True)
+    Path(f"{MERGED_FILE}.tmp").write_text(MERGED_CONFIG)
+    os.replace(f"{MERGED_FILE}.tmp", MERGED_FILE)
 
 
 def write_merged_config(log="logs/config.log"):
     """`tiersep config`: CONFIG_FILE from the merged, validated config (temporary + rename)."""
-    merged, out = MERGED_CONFIG, CONFIG_FILE  # shell() formats {names} from these locals
+    # shell() formats {names} from these locals
+    merged, out = f"@{MERGED_FILE}", CONFIG_FILE
     os.makedirs(os.path.dirname(log), exist_ok=True)
     shell("tiersep config --merged {merged:q} --out {out:q} > {log:q} 2>&1")
-
-
-onstart:
-    # Not in a dry run (nothing is written) nor in cluster jobs (Snakemake runs no hooks there).
-    if os.path.exists(CONFIG_FILE):
-        write_merged_config()
 
 
 def _trials():
@@ -270,3 +275,30 @@ def separated_folders(wildcards):
 wildcard_constraints:
     preset=r"[A-Za-z0-9_.=+-]+",
     rate=r"\d+",
+
+
+# The search (search.smk): its folder, and the resources of a trial job
+SEARCH_DIR = (
+    f"{RESULTS}/search/{CFG['search']['study'] if CFG.get('search') else 'search'}"
+)
+
+
+def search_base():
+    return tiersep_config.load_preset(CFG["search"]["preset"], CFG)
+
+
+def search_slots():
+    return range(CFG["search"]["trials"]) if CFG.get("search") else []
+
+
+def search_gpus(wildcards):
+    """One GPU per trial job; none for a CPU study (train.device: cpu)."""
+    return 0 if search_base()["train"]["device"] == "cpu" else 1
+
+
+def search_mem_mb(wildcards, attempt):
+    """Host memory of a trial job: like a train job's, from the budget every admitted trial fits
+    (search.budget_gib; 8 GB and up when it is auto)."""
+    budget = CFG["search"]["budget_gib"]
+    booked = 0 if budget == "auto" else budget * 2**30
+    return attempt * max(8000, int(1.25 * booked / 2**20) + 2048)

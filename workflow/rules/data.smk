@@ -1,17 +1,17 @@
 # The merged config every job reads (Snakemake's config after --configfile/--config, validated).
 # This rule makes it when it is missing; a run that starts jobs writes it again first (onstart in
-# common.smk). It has no params on purpose, and its command reads the merged config from a global
-# of the Snakefile, outside the command's text: a config change must not rerun this job, or
-# Snakemake would skip the params check of every job below it (their config input is ancient) and
-# the first run would do nothing but rewrite this file.
+# common.smk). No params, and its input is ancient: a config change must not rerun this job (see
+# MERGED_FILE in common.smk).
 rule config:
+    input:
+        merged=ancient(MERGED_FILE),
     output:
         CONFIG_FILE,
     log:
         "logs/config.log",
     localrule: True
     shell:
-        "tiersep config --merged {MERGED_CONFIG:q} --out {output} > {log} 2>&1"
+        "tiersep config --merged @{input.merged} --out {output} > {log} 2>&1"
 
 
 # Ingest + validate + resample once. One job per (source, rate); the folder is one output, so a

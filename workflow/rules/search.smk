@@ -3,9 +3,6 @@
 # (docs/search.md). `rule all` never asks for it; a rerun continues the study from its storage.
 # When the study ends it writes the Pareto presets, each GPU budget's best and their index best.json,
 # and evaluates those trials on the test set (eval/<n>/), all inside the same job.
-SEARCH_DIR = (
-    f"{RESULTS}/search/{CFG['search']['study'] if CFG.get('search') else 'search'}"
-)
 
 
 rule search:
@@ -27,27 +24,6 @@ rule search:
 # it claims a trial in the shared study (infeasible ones are told on the way, without a job of
 # their own), prunes it through SIGUSR1 on its own node, and ends. A job asks for the search's
 # budget, which every admitted trial fits; a requeued job takes its own trial back from its checkpoint.
-def search_base():
-    return tiersep_config.load_preset(CFG["search"]["preset"], CFG)
-
-
-def search_slots():
-    return range(CFG["search"]["trials"]) if CFG.get("search") else []
-
-
-def search_gpus(wildcards):
-    """One GPU per trial job; none for a CPU study (train.device: cpu)."""
-    return 0 if search_base()["train"]["device"] == "cpu" else 1
-
-
-def search_mem_mb(wildcards, attempt):
-    """Host memory of a trial job: like a train job's, from the budget every admitted trial fits
-    (search.budget_gib; 8 GB and up when it is auto)."""
-    budget = CFG["search"]["budget_gib"]
-    booked = 0 if budget == "auto" else budget * 2**30
-    return attempt * max(8000, int(1.25 * booked / 2**20) + 2048)
-
-
 rule search_trial:
     input:
         data=lambda wildcards: prepared_dir(search_base()["audio"]["sample_rate"]),
