@@ -397,7 +397,9 @@ class Search:
         if index["pareto"]:
             self.say(f"Pareto front: trials {', '.join(str(p['trial']) for p in index['pareto'])} -> pareto/")
         failed = []
-        for number in outputs.to_evaluate(index) if self.search["evaluate"] else []:
+        # --single-trial workers end together on a cluster: none evaluates (two would race for one
+        # eval folder); `tiersep search` without it, once the study is whole, evaluates
+        for number in outputs.to_evaluate(index) if self.search["evaluate"] and not self.single else []:
             preset = C.load_preset(str(self.trials_dir / f"{number}.preset.yaml"))
             self.say(f"evaluating trial {number} on the test set -> eval/{number}/")
             why = outputs.evaluate(self.source, self.folder, number, self.data_for(preset))
