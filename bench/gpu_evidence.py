@@ -5,6 +5,8 @@
 
 It writes one dated folder in the shared measurement format (tests/data/gpu/h100-2026-11-22/
 README.md), `<gpu>-<date>/`, that tests/test_memory_cuda_accuracy.py reads as it is:
+- measurements.jsonl, first: real steps of HELD_OUT configurations, ones that no estimate rule,
+  calibration or uncertainty was fitted on, flagged `held_out` (the out-of-sample accuracy, issue 34);
 - events/<name>.events.json.gz: the caching allocator's event log (model creation, AdamW state and
   2 steps) of `small bf16 math`, `small fp32 math` and the released `memory_optimized b2 ckpt`;
 - measurements.jsonl: real steps (3 after the setup) of both math configurations with the native
@@ -45,12 +47,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 MATH = {"model.attention_backend": "math"}
 # (name, preset, set, kind, allocator mode) in priority order; kind: events | measure | compiled
-JOBS = [
+FP32, CKPT = {"train.precision": "fp32"}, {"model.checkpointing": True}
+# Configurations no estimate rule, calibration or uncertainty was ever fitted on (issue 34): their
+# rows carry held_out, and the accuracy that docs/memory.md states is read from them.
+HELD_OUT = [
+    ("held-out small fp32 ckpt b2", "small", {**FP32, **CKPT, "train.batch_size": 2}, "measure", "native"),
+    ("held-out small bf16 efficient 6h b2", "small", {"model.attention_backend": "efficient", "model.n_heads": 6,
+                                                     "train.batch_size": 2},
+     "measure", "native"),
+    ("held-out memory_optimized fp32 ckpt", "memory_optimized", {**FP32, **CKPT}, "measure", "native"),
+    ("held-out ultra_safe bf16 ckpt b2", "ultra_safe", {**CKPT, "train.batch_size": 2, "train.grad_accum": 1},
+     "measure", "expandable"),
+    ("held-out large bf16 ckpt 1s", "large", {**CKPT, "train.precision": "bf16", "audio.segment_samples": 44032,
+                                              "train.grad_accum": 1}, "measure", "native"),
+    ("held-out small fp32 math b2 acc2", "small", {**FP32, **MATH, "train.batch_size": 2, "train.grad_accum": 2},
+     "measure", "expandable"),
+    ("held-out xlarge bf16 ckpt 0.5s", "xlarge", {**CKPT, "audio.segment_samples": 22528, "train.batch_size": 1,
+                                                  "train.grad_accum": 1}, "measure", "native"),
+    ("held-out small bf16 8h64 4s", "small", {"model.n_heads": 8, "model.emb_dim": 64, "model.attention_dim": 64,
+                                              "audio.segment_samples": 176128}, "measure", "native"),
+]
+JOBS = HELD_OUT + [
+    ("calibrate", None, {}, "calibrate", "native"),
+    ("small co-located", "small", {}, "colocate", "native"),
     ("small bf16 math", "small", MATH, "events", "native"),
     ("small fp32 math", "small", {**MATH, "train.precision": "fp32"}, "events", "native"),
     ("memory_optimized b2 ckpt", "memory_optimized", {"train.batch_size": 2, "model.checkpointing": True},
      "events", "native"),
-    ("calibrate", None, {}, "calibrate", "native"),
     ("small bf16 math", "small", MATH, "measure", "native"),
     ("small fp32 math", "small", {**MATH, "train.precision": "fp32"}, "measure", "native"),
     ("small bf16 math", "small", MATH, "measure", "expandable"),
@@ -59,7 +82,6 @@ JOBS = [
      "measure", "native"),
     ("small compiled", "small", {"train.compile": True}, "compiled", "native"),
     ("small compiled", "small", {"train.compile": True}, "compiled", "expandable"),
-    ("small co-located", "small", {}, "colocate", "native"),
     ("merl", None, {}, "merl", "native"),
 ]
 STEPS, LOG_STEPS = 3, 2
@@ -322,7 +344,8 @@ def run_job(job: dict, folder: Path) -> dict:
         return run_merl(job, folder)
     preset = _preset(job)
     row = {"name": job["name"], "preset": preset["name"], "set": job["set"], "commit": job["commit"],
-           "compiled": job["kind"] == "compiled", "dry_run": job["dry_run"]}
+           "compiled": job["kind"] == "compiled", "dry_run": job["dry_run"],
+           "held_out": job["name"].startswith("held-out")}
     if job["dry_run"]:
         row["stands_for"] = job["preset"]     # what the GPU run measures with these settings
     if job["mode"] == "expandable":
@@ -358,7 +381,11 @@ def _gpu() -> dict:
 
     if not torch.cuda.is_available():
         sys.exit("gpu_evidence: torch sees no CUDA device (--dry-run runs the plan on a CPU)")
-    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    driver, total = (smi.stdout.strip().split(", ") + [None, None])[:2] if smi.returncode == 0 else (None, None)
+    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "driver": driver, "memory_total": total, "python": sys.version.split()[0]}
 
 
 def plan(args) -> list[dict]:
