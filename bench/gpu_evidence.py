@@ -266,16 +266,13 @@ def run_trial(job: dict) -> dict:
     import torch
 
     from tiersep import gpu_lease
-    from tiersep.memory import gate
-    from tiersep.search.packing import booking_bytes
     from tiersep.model.step import train_step
 
     preset, device = _preset(job), "cpu" if job["dry_run"] else "cuda"
     if job["dry_run"]:
         torch.set_num_threads(1)   # two CPU trials at once: one core each
-    booked = None
+    booked = job.get("booked")
     if not job["dry_run"]:
-        booked = booking_bytes(gate(preset, "cuda", None, 0.08))
         gpu_lease.book_gpu(f"gpu_evidence {job['trial']}", booked, timeout=300)
         torch.cuda.init()
     work = _workload(preset, device)
@@ -318,7 +315,12 @@ def run_colocate(job: dict, folder: Path) -> dict:
             out[name] = {**json.loads(stdout.strip().splitlines()[-1]), "peak_device_bytes_nvml": peaks[name]}
         return out
 
-    report = {"preset": job["preset"], "dry_run": job["dry_run"], "commit": job["commit"]}
+    # The booking is the search's (the gate's figure), made in a process of its own: a cuda trace
+    # may start CUDA, and a trial must book before CUDA starts (gpu_lease refuses it after).
+    done = subprocess.run([sys.executable, __file__, "--booking", json.dumps(job)], capture_output=True,
+                          text=True, cwd=ROOT, check=True)
+    job = dict(job, booked=json.loads(done.stdout.strip().splitlines()[-1]))
+    report = {"preset": job["preset"], "dry_run": job["dry_run"], "commit": job["commit"], "booked": job["booked"]}
     began = time.time()
     in_a_row = {}
     for name in ("a", "b"):
@@ -467,7 +469,15 @@ def main(argv=None) -> int:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--booking", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.booking:  # the search's booking of a co-location trial: one number on stdout
+        from tiersep.memory import gate
+        from tiersep.search.packing import booking_bytes
+
+        job = json.loads(args.booking)
+        print(booking_bytes(gate(_preset(job), "cpu" if job["dry_run"] else "cuda", None, 0.08)))
+        return 0
     if args.trial:   # a co-location trial: one JSON line on stdout
         print(json.dumps(run_trial(json.loads(args.trial))))
         return 0
