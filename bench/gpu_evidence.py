@@ -85,7 +85,7 @@ JOBS = HELD_OUT + [
     ("merl", None, {}, "merl", "native"),
 ]
 STEPS, LOG_STEPS = 3, 2
-COLOCATE_STEPS = 200    # about 17 s of `small` alone on the H100 (85 ms a step)
+COLOCATE_STEPS = 100    # about 8.5 s of `small` alone on the H100 (85 ms a step)
 # A dry run keeps each job's settings on a preset a CPU steps in a second.
 DRY_PRESET = "cpu_tiny"
 

@@ -143,3 +143,30 @@ def test_gpu_info_reads_nvml(monkeypatch):
                                        "used_bytes": 5 * 2**30}
     assert gpu_info.other_processes_bytes() == 2**30 + 2**20      # the others, hidden usage as 0
     assert (gpu_info.name(), gpu_info.driver_version()) == ("NVIDIA H100 80GB HBM3", "580.95.05")
+
+
+def test_a_cuda_trace_does_not_ask_the_gpu_about_bf16(monkeypatch):
+    """On a machine with a GPU, torch.autocast("cuda", bf16) calls torch.cuda.is_bf16_supported(),
+    which starts a CUDA context: on an H200 the search's gate did so in its orchestrator
+    (bench/gpu_search_check.py, 2026-11-26). Here, with no GPU, autocast is made to believe one is
+    there (amp_definitely_not_available, what it checks first), and the question is refused: the
+    bf16 trace must answer it for the GPU it models."""
+    import torch
+    import torch.cuda.amp.common as amp_common
+
+    from tiersep import config as C
+    from tiersep.memory import estimate
+
+    asked = []
+
+    def refuse(*args, **kwargs):
+        asked.append(True)
+        raise RuntimeError("is_bf16_supported: this estimate must not ask the GPU")
+
+    monkeypatch.setattr(amp_common, "amp_definitely_not_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", refuse)
+    preset = C.load_preset(str(REPO / "tests" / "configs" / "presets" / "test_tiny.yaml"))
+    preset = C.set_field(preset, "train.precision", "bf16")
+    record = estimate(preset, "trace", "cuda")
+    assert record["peak_bytes"] > 0 and not asked
+    assert torch.cuda.is_bf16_supported is refuse      # put back after the trace

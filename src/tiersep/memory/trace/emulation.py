@@ -32,6 +32,10 @@ from .cuda_autocast import eligible, policy_of
 from .kernels import in_backward
 
 
+def _modelled_gpu_has_bf16(*args, **kwargs) -> bool:
+    return True
+
+
 class CudaEmulation(TorchFunctionMode):
     """Apply CUDA's autocast policy and SDPA kernel choice to a CPU trace (see module docstring)."""
 
@@ -41,6 +45,20 @@ class CudaEmulation(TorchFunctionMode):
         self.kernels_used: dict[str, int] = {}
         self.unmodelled: set[str] = set()
         self._cast_cache = WeakIdKeyDictionary()   # autocast caches casts of leaf parameters
+        self._asked = []
+
+    def __enter__(self):
+        # torch.autocast("cuda", bf16) asks the GPU whether it has bf16, and asking starts a CUDA
+        # context (0.6 GiB on an H200, bench/gpu_search_check.py) in the process that estimates: the
+        # search's orchestrator, or a job before it leases its GPU. The trace answers for the GPU it
+        # models, an sm80+ one, which has it.
+        self._asked.append(torch.cuda.is_bf16_supported)     # a list: the mode is entered nested
+        torch.cuda.is_bf16_supported = _modelled_gpu_has_bf16
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.cuda.is_bf16_supported = self._asked.pop()
+        return super().__exit__(*exc)
 
     def clear_cast_cache(self) -> None:
         self._cast_cache = WeakIdKeyDictionary()
