@@ -56,7 +56,7 @@ LAYERS = [
     ["memory"],                                                        # estimates, the fit gate
     ["separate"],                                                      # overlap-add, `tiersep separate`
     ["evaluate"],                                                      # scores on the test split
-    ["train"],                                                         # the trainer, DDP, sweep
+    ["train"],                                                         # the trainer, DDP
     ["search"],                                                        # the hyperparameter search
     ["report"],                                                        # the HTML report
     ["cli", "__main__"],                                               # the `tiersep` command

@@ -1,4 +1,5 @@
 """Config and preset validation: defaults from the schema, one-line errors naming file and key."""
+import json
 from pathlib import Path
 
 import pytest
@@ -141,14 +142,12 @@ sweep:
 
 
 def test_exponent_values_in_a_sweep_grid(tmp_path):
-    from tiersep.train.sweep import expand_trials, resolve_trial
-
     path = tmp_path / "sweep.yaml"
     path.write_text(SWEEP_CONFIG.format(presets=REPO / "config" / "presets"))
     cfg = C.load_config(path)
     assert cfg["budget_gib"] == 20.0
-    assert list(expand_trials(cfg)) == ["cpu_tiny--lr1e-4", "cpu_tiny--lr5e-4"]
-    assert resolve_trial("cpu_tiny--lr5e-4", cfg)["train"]["lr"] == 5e-4
+    # the sweep is read as a grid search (config.sweep_as_search): its values are floats there
+    assert cfg["search"]["space"]["train.lr"]["choices"] == [1e-4, 5e-4]
 
 
 def test_snakemake_reads_config_files_as_tiersep_does(tmp_path):
@@ -165,8 +164,9 @@ def test_snakemake_reads_config_files_as_tiersep_does(tmp_path):
 
 @pytest.mark.slow  # one real snakemake dry run (its start-up imports tiersep and torch)
 def test_snakemake_sweep_grid_with_exponent_values(tmp_path):
-    """`snakemake -n --configfile` with 1e-4 values in a sweep grid plans every trial (its estimate
-    job; the train jobs follow the train checkpoint)."""
+    """`snakemake -n --configfile` with 1e-4 values in a sweep grid: the `search` target plans the
+    sweep's one job (the search), and the merged config every job reads holds it as a grid search
+    with float values, no sweep left beside it."""
     from conftest import copy_workflow, run_snakemake
 
     wf = copy_workflow(tmp_path / "wf")
@@ -175,6 +175,8 @@ def test_snakemake_sweep_grid_with_exponent_values(tmp_path):
     text = yaml.safe_dump({**cfg, "estimate_tiers": []}) + (
         "budget_gib: 2e1\nsweep: {presets: [test_tiny], grid: {train.lr: [1e-4, 5E-4]}}\n")
     (wf / "sweep.yaml").write_text(text)
-    out = run_snakemake(wf, "-n", "--cores", "1", "--configfile", "sweep.yaml").stdout
-    for trial in ("test_tiny--lr1e-4", "test_tiny--lr5e-4"):
-        assert f"results/vram/{trial}.json" in out, out[-3000:]
+    out = run_snakemake(wf, "search", "-n", "--cores", "1", "--configfile", "sweep.yaml").stdout
+    assert "results/search/sweep/trials.csv" in out, out[-3000:]
+    merged = json.loads((wf / ".snakemake" / "tiersep" / "merged-config.json").read_text())
+    assert merged["sweep"] is None and merged["search"]["sampler"] == "grid"
+    assert merged["search"]["space"] == {"train.lr": {"choices": [1e-4, 5e-4], "log": False, "step": None}}

@@ -1,4 +1,4 @@
-"""Training loop (issue 6): schedules, accumulation, outputs, refusals, sweeps, injected OOM + retry.
+"""Training loop (issue 6): schedules, accumulation, outputs, refusals, injected OOM + retry.
 
 Real TF-Locoformer, real loss, real data pipeline (a tiny prepared synthetic set), real fit gate.
 """
@@ -15,7 +15,7 @@ import torch
 from conftest import one_torch_thread
 from test_train_support import make_workspace, tiny_preset
 from tiersep import config as C
-from tiersep.train import build, loop, oom, sweep, trainer
+from tiersep.train import build, loop, oom, trainer
 from tiersep.train.schedule import Schedule
 from tiersep.model.step import make_optimizer, train_step
 from tiersep.train.telemetry import METRICS_FIELDS, CsvLog
@@ -316,31 +316,6 @@ def test_oom_helpers():
     assert not oom.is_oom(RuntimeError("shape mismatch"))
     assert oom.downshift(8, 1) == (4, 2) and oom.downshift(3, 2) == (1, 6)
     assert oom.downshift(1, 4) == (1, 4)
-
-
-# -------------------------------------------------------------------------------------- sweeps
-def test_sweep_expands_into_named_trials(ws):
-    cfg = dict(ws["cfg"], sweep={"presets": ["train_test_tiny"],
-                                 "grid": {"train.lr": [1.0e-3, 0.0025], "train.seed": [0, 1]}})
-    trials = sweep.expand_trials(cfg)
-    assert list(trials) == ["train_test_tiny--lr1e-3--seed0", "train_test_tiny--lr1e-3--seed1",
-                            "train_test_tiny--lr0.0025--seed0", "train_test_tiny--lr0.0025--seed1"]
-    assert trials["train_test_tiny--lr0.0025--seed1"] == ("train_test_tiny", {"train.lr": 0.0025, "train.seed": 1})
-    preset = sweep.resolve_trial("train_test_tiny--lr0.0025--seed1", cfg)
-    assert preset["name"] == "train_test_tiny--lr0.0025--seed1"
-    assert preset["train"]["lr"] == 0.0025 and preset["train"]["seed"] == 1
-    assert preset["model"] == C.load_preset("train_test_tiny", cfg)["model"]
-    with pytest.raises(C.ConfigError, match="no trial named"):
-        sweep.resolve_trial("train_test_tiny--lr9", cfg)
-    bad = dict(cfg, sweep={"presets": ["train_test_tiny"], "grid": {"train.nonexistent": [1]}})
-    with pytest.raises(C.ConfigError, match="nonexistent"):
-        sweep.resolve_trial(next(iter(sweep.expand_trials(bad))), bad)
-    assert sweep.expand_trials(dict(cfg, sweep=None)) == {}
-
-
-def test_sweep_value_names():
-    assert [sweep.format_value(v) for v in (0.001, 0.01, 3e-4, 5, True, 0.5)] == \
-        ["1e-3", "0.01", "3e-4", "5", "true", "0.5"]
 
 
 # ------------------------------------------------------------------------------ torch.compile

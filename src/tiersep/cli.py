@@ -27,8 +27,8 @@ stages (what `snakemake` runs, in order):
   tiersep train    --config config/config.yaml --preset cpu_tiny --data data/prepared/synthetic/8000 --out results/train/cpu_tiny
   tiersep evaluate --config config/config.yaml --preset cpu_tiny --model results/train/cpu_tiny/model.pt --data data/prepared/synthetic/8000 --out results/eval/cpu_tiny
   tiersep report   --config config/config.yaml --results results --out results/report
-A preset NAME is a file config/presets/NAME.yaml (the config's presets_dir), a path to a preset YAML,
-or a sweep trial name (see `sweep` in the config).
+A preset NAME is a file config/presets/NAME.yaml (the config's presets_dir) or a path to a preset YAML
+(a search's trials and best preset are such files under results/search/<study>/).
 """
 
 
@@ -101,13 +101,8 @@ _jobs = _whole_number(1, 64, "processes")
 
 
 def resolve_preset(name: str, cfg: dict, sets: list[tuple[str, object]] | None = None) -> dict:
-    """A preset by name, path or sweep-trial name, with --set overrides applied and re-validated."""
-    from tiersep.train.sweep import expand_trials, resolve_trial
-
-    if cfg.get("sweep") and name in expand_trials(cfg):
-        preset = resolve_trial(name, cfg)
-    else:
-        preset = C.load_preset(name, cfg)
+    """A preset by name or path, with --set overrides applied and re-validated."""
+    preset = C.load_preset(name, cfg)
     for key, value in sets or []:
         try:
             preset = C.set_field(preset, key, value)
@@ -133,13 +128,11 @@ def estimate_device(cfg: dict, name: str, preset: dict, wanted: str | None) -> s
     (train.device; its auto means cuda when NVML sees a GPU, no CUDA context opened), cuda for the
     estimate-only tiers."""
     from tiersep import gpu_info
-    from tiersep.train.sweep import expand_trials
 
     wanted = wanted or cfg["estimate"]["device"]
     if wanted != "auto":
         return wanted
-    trained = name in cfg["tiers"] + C.tier_names(cfg["tiers"]) or (cfg.get("sweep") and name in expand_trials(cfg))
-    if not trained:
+    if name not in cfg["tiers"] + C.tier_names(cfg["tiers"]):
         return "cuda"
     train_device = preset["train"]["device"]
     if train_device == "auto":
@@ -431,10 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     def add_preset(p, many: str = ""):
         if many:   # repeatable, optional: `many` says what it means then
             p.add_argument("--preset", action="append", metavar="NAME", help="preset name in the config's "
-                           f"presets_dir, a preset YAML path, or a sweep trial; {many}")
+                           f"presets_dir or a preset YAML path; {many}")
         else:
             p.add_argument("--preset", required=True, metavar="NAME",
-                           help="preset name in the config's presets_dir, a preset YAML path, or a sweep trial")
+                           help="preset name in the config's presets_dir or a preset YAML path")
         p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="SECTION.FIELD=VALUE",
                        help="override one preset field (repeatable), e.g. --set train.lr=1e-3")
 
@@ -446,8 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("estimate", cmd_estimate, "Estimate the peak memory of one training step of a preset and "
             "judge it against the budget; writes the results/vram JSON record.")
-    p.add_argument("--preset", action="append", metavar="NAME", help="preset name in the config's presets_dir, "
-                   "a preset YAML path, or a sweep trial; repeatable: several presets in one process (issue 24)")
+    p.add_argument("--preset", action="append", metavar="NAME", help="preset name in the config's presets_dir "
+                   "or a preset YAML path; repeatable: several presets in one process (issue 24)")
     p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one preset field (repeatable), e.g. --set train.lr=1e-3")
     p.add_argument("--out", required=True, help="output JSON, e.g. results/vram/NAME.json "

@@ -294,6 +294,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
         cfg = deep_merge(cfg, overrides)
     cfg = validate(cfg, "config.schema.yaml", path)
     cfg["_source"] = str(path)
+    cfg = sweep_as_search(cfg)
     check_config(cfg)
     return cfg
 
@@ -301,7 +302,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
 def read_config_files(files: list[str | Path], overrides: dict | None = None) -> dict:
     """The config Snakemake merges from `files` (later files win, key by key) and the --config
     `overrides`, with every file read by tiersep's YAML rules: Snakemake reads files as YAML 1.1,
-    where `lr: 1e-4` in a sweep grid would be the string '1e-4'. Missing files are skipped."""
+    where `lr: 1e-4` in a search space would be the string '1e-4'. Missing files are skipped."""
     merged: dict = {}
     for file in files:
         if Path(file).is_file():
@@ -321,8 +322,31 @@ def validate_config(cfg: dict, files: list[str | Path]) -> dict:
             raise
         raise ConfigError(f"{owner}{str(err).split(' + '.join(map(str, files)), 1)[1]}", err.key_path) from None
     cfg["_source"] = str(files[-1])
+    cfg = sweep_as_search(cfg)
     check_config(cfg)
     return cfg
+
+
+def sweep_as_search(cfg: dict) -> dict:
+    """`sweep:` is a thin alias of `search:` (docs/search.md#a-grid-sweep): its one preset, each grid
+    field's values as choices, the grid sampler, one trial per grid point and no pruner (every point
+    trains to its end, as a sweep did). The search is the only engine that runs it; the config
+    leaves here with `search` set and `sweep` null, so a merged config read again stays the same."""
+    sweep = cfg.get("sweep")
+    if not sweep:
+        return cfg
+    source = cfg.get("_source", "config")
+    if cfg.get("search"):
+        raise ConfigError(f"{source}: sweep: a sweep is a grid search; give sweep or search, not both "
+                          "(search.sampler: grid; docs/search.md)")
+    if len(sweep["presets"]) > 1:
+        raise ConfigError(f"{source}: sweep.presets: one preset per sweep (it is the grid search's base "
+                          "preset); give one config per preset, or vary the fields in sweep.grid")
+    search = {"preset": sweep["presets"][0], "study": "sweep", "sampler": "grid", "pruner": "none",
+              "space": {field: {"choices": list(values)} for field, values in sweep["grid"].items()},
+              "trials": math.prod(len(values) for values in sweep["grid"].values())}
+    filled = validate({"search": search}, "config.schema.yaml", f"{source} (sweep as search)")
+    return {**cfg, "sweep": None, "search": filled["search"]}
 
 
 def _has_key(node: Any, key_path: tuple) -> bool:
@@ -351,10 +375,7 @@ def check_config(cfg: dict) -> None:
 
 
 def all_preset_names(cfg: dict) -> list[str]:
-    names = list(cfg["tiers"]) + [t for t in cfg["estimate_tiers"] if t not in cfg["tiers"]]
-    if cfg.get("sweep"):
-        names += [p for p in cfg["sweep"]["presets"] if p not in names]
-    return names
+    return list(cfg["tiers"]) + [t for t in cfg["estimate_tiers"] if t not in cfg["tiers"]]
 
 
 def is_preset_file(entry: str) -> bool:
@@ -470,7 +491,7 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def set_field(preset: dict, dotted: str, value: Any) -> dict:
-    """Return a copy of `preset` with `section.field` set (used by sweeps and fit)."""
+    """Return a copy of `preset` with `section.field` set (used by the search and fit)."""
     out = copy.deepcopy(preset)
     section, field = dotted.split(".", 1)
     node = out[section]

@@ -70,42 +70,22 @@ def write_merged_config(log="logs/config.log"):
     shell("tiersep config --merged {merged:q} --out {out:q} > {log:q} 2>&1")
 
 
-def _trials():
-    if not CFG.get("sweep"):
-        return {}
-    from tiersep.train.sweep import expand_trials
-
-    return expand_trials(CFG)
-
-
-TRIALS = _trials()  # sweep trial name -> (preset name, {field: value})
 # Tier names as results/ knows them: a tier listed as a preset file goes by its stem
-TIERS = tiersep_config.tier_names(CFG["tiers"])
-TRAINED = TIERS + [t for t in TRIALS if t not in TIERS]
+TRAINED = tiersep_config.tier_names(CFG["tiers"])
 ESTIMATED = TRAINED + [
     t for t in tiersep_config.tier_names(CFG["estimate_tiers"]) if t not in TRAINED
 ]
 
 
-def base_preset_name(name):
-    return TRIALS[name][0] if name in TRIALS else name
-
-
 def preset_file(wildcards):
-    return str(tiersep_config.preset_path(base_preset_name(wildcards.preset), CFG))
+    return str(tiersep_config.preset_path(wildcards.preset, CFG))
 
 
 def preset_files(names):
-    return [
-        str(tiersep_config.preset_path(base_preset_name(name), CFG)) for name in names
-    ]
+    return [str(tiersep_config.preset_path(name, CFG)) for name in names]
 
 
 def preset_of(name):
-    if name in TRIALS:
-        from tiersep.train.sweep import resolve_trial
-
-        return resolve_trial(name, CFG)
     return tiersep_config.load_preset(name, CFG)
 
 

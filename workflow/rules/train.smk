@@ -1,4 +1,4 @@
-# One training job per tier (and per sweep trial): a fresh process, or container, each time, so
+# One training job per tier: a fresh process, or container, each time, so
 # GPU memory goes back to the OS between tiers. A checkpoint: its outcome (trained, or refused by
 # the fit gate) decides whether the tier is evaluated, so a tier that does not fit is shown as
 # refused in the report and the run goes on (on_oversize: fail stops it instead).

@@ -33,8 +33,8 @@ EXTRA_DESCRIPTIONS = {
     ("config", "estimate"): "How the peak-memory estimates are made (docs/memory.md).",
     ("config", "evaluate"): "How the test tracks are separated and scored (docs/evaluation.md).",
     ("config", "evaluate.save_estimates"): "Also write the separated stems as estimates/<track>/<stem>.wav.",
-    ("config", "sweep.presets"): "Presets crossed with the grid; each grid point of each is one trial.",
-    ("config", "sweep.grid"): "Preset field (section.field) -> the values it takes in the sweep.",
+    ("config", "sweep.presets"): "The one preset the grid varies (the search's base preset); several are refused.",
+    ("config", "sweep.grid"): "Preset field (section.field) -> the values it takes; each grid point is one trial.",
     ("preset", "name"): "The preset's name (for a file in presets_dir: the file name without .yaml).",
     ("preset", "description"): "Free text shown with the tier.",
     ("preset", "audio"): "The audio the model sees: rate, channels, segment and STFT.",
@@ -104,8 +104,8 @@ default, and the result is written to `<results_dir>/config.yaml`, the file ever
 or `estimate_tiers` by its file name, or given as a path. `audio`, `model` and `train` hold every
 field the model, the data and the optimiser need; a missing field takes its default when the preset
 is loaded. `tiersep estimate|fit|train|evaluate --set section.field=value` overrides one field on
-the command line; a sweep (`sweep.grid`) varies fields across trials. The seed tiers are described
-in [docs/training.md](../docs/training.md#presets-tiers).
+the command line; a search (`search.space`, or a grid in `sweep.grid`) varies fields across trials.
+The seed tiers are described in [docs/training.md](../docs/training.md#presets-tiers).
 """
 
 

@@ -39,7 +39,7 @@ class ReportInputError(ValueError):
 @dataclass
 class Tier:
     name: str
-    kind: str  # "tier" (config tiers), "trial" (sweep), "estimate" (estimate_tiers only), "found"
+    kind: str  # "tier" (config tiers), "estimate" (estimate_tiers only), "found"
     preset: dict | None = None
     preset_error: str | None = None
     estimate: dict | None = None  # results/vram/<name>.json
@@ -296,32 +296,21 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def _preset_for(name: str, kind: str, cfg: dict, run: dict | None) -> tuple[dict | None, str | None]:
-    """The preset a tier ran with: the config's preset or sweep trial, else what run.json holds."""
+    """The preset a tier ran with: the config's preset, else what run.json holds."""
     if run and isinstance(run.get("preset"), dict):
         return run["preset"], None
     if kind == "found":
         return None, None  # not in the current config: show only what its records say
     try:
-        if kind == "trial":
-            from tiersep.train.sweep import resolve_trial
-
-            return resolve_trial(name, cfg), None
         return C.load_preset(name, cfg), None
     except (C.ConfigError, OSError, UnicodeDecodeError) as err:  # a binary preset is a bad preset
         return None, str(err)
 
 
-def _sweep_trials(cfg: dict) -> list[str]:
-    if not cfg.get("sweep"):
-        return []
-    from tiersep.train.sweep import trial_names
-
-    return trial_names(cfg)
-
-
 def tier_names(cfg: dict, results_dir: Path) -> list[tuple[str, str]]:
-    """(name, kind) for every row: config tiers, sweep trials, estimate-only tiers, then anything
-    else found under results_dir (e.g. trials of an earlier sweep), in that order."""
+    """(name, kind) for every row: config tiers, estimate-only tiers, then anything else found
+    under results_dir (e.g. a tier no longer in the config), in that order. A search's trials are
+    the Search section's (results/search/<study>/), not rows here."""
     rows: list[tuple[str, str]] = []
     seen: set[str] = set()
 
@@ -332,8 +321,6 @@ def tier_names(cfg: dict, results_dir: Path) -> list[tuple[str, str]]:
 
     for name in C.tier_names(cfg["tiers"]):
         add(name, "tier")
-    for name in _sweep_trials(cfg):
-        add(name, "trial")
     for name in C.tier_names(cfg["estimate_tiers"]):
         add(name, "estimate")
     found = {p.stem for p in (results_dir / "vram").glob("*.json")} - {FIT_MATRIX}

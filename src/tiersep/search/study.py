@@ -31,14 +31,23 @@ def storage(url: str | None, folder: Path):
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+class AskTellGridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its study.stop() once the grid is used up: stop() raises outside
+    study.optimize, so it killed the orchestrator at the last grid point's tell (ask-and-tell). The
+    orchestrator ends the study itself, after min(trials, grid size) trials."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
+
+
 def sampler(search: dict, dims: dict[str, Dimension], source: str, offset: int = 0) -> optuna.samplers.BaseSampler:
-    """The sampler, seeded with search.seed + `offset` (see reseed)."""
+    """The sampler, seeded with search.seed + `offset` (see reseed); the grid sampler with search.seed alone."""
     name, seed = search["sampler"], search["seed"] + offset
     if name == "nsga2" and len(search["objectives"]) < 2:
         raise C.ConfigError(f"{source}: search.sampler: nsga2 needs two objectives "
                             "(search.objectives: [si_sdr, predicted_peak])")
-    if name == "grid":
-        return optuna.samplers.GridSampler(grid(dims, source), seed=seed)
+    if name == "grid":   # trial n takes point n of the grid shuffled by the seed: one seed for every ask
+        return AskTellGridSampler(grid(dims, source), seed=search["seed"])
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "gp":

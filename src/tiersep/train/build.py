@@ -79,7 +79,8 @@ def _data_parallel(run, model):
 
 def _compiled(run, model):
     """The model the training step calls: torch.compile'd when the plan says so, with inductor's
-    cache shared by every tier and trial of this results tree (a sweep compiles once)."""
+    cache shared by the run folders beside this one: every tier of results/train/, every trial of a
+    search's trials/ (a study compiles once)."""
     if not run.plan.compile:
         run.compile_info["reason"] = f"train.compile {run.t['compile']} on {run.device.type}"
         return model

@@ -3,7 +3,7 @@ under one torchrun per node started by `srun` inside a SLURM allocation (train.n
 
 The launching process holds the run folder's lock for the whole job (the ranks know it by its pid,
 tiersep.train.distributed.launcher_holds_lock), hands the ranks the resolved config and preset as
-files (so --set overrides and sweep trials reach them unchanged), waits, and turns what the ranks
+files (so --set overrides and a search trial's preset file reach them unchanged), waits, and turns what the ranks
 noted (their pids and exit codes) into the job's exit code. A rank that left no exit code died: then
 failure.json says `rank_died` and names it.
 

@@ -10,7 +10,7 @@ from tiersep.report.sections.table import Cell, Column, Table, make_table
 from tiersep.report.units import (MISSING, format_bytes, format_db, format_duration, format_int,
                                   format_percent, format_rate, format_seconds)
 
-KIND_LABELS = {"tier": "tier", "trial": "sweep trial", "estimate": "estimate only", "found": "not in config"}
+KIND_LABELS = {"tier": "tier", "estimate": "estimate only", "found": "not in config"}
 NOT_COMPARABLE_NOTE = ("† Not comparable: no estimate was made for the device the tier trained on "
                        "(e.g. a CUDA estimate of a tier trained on CPU). Both figures are shown, no error "
                        "is computed.")
