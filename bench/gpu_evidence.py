@@ -244,7 +244,7 @@ def run_trial(job: dict) -> dict:
     import torch
 
     from tiersep import gpu_lease
-    from tiersep.memory import gate
+    from tiersep.memory import GateSettings, gate
     from tiersep.search.packing import booking_bytes
     from tiersep.model.step import train_step
 
@@ -253,7 +253,7 @@ def run_trial(job: dict) -> dict:
         torch.set_num_threads(1)   # two CPU trials at once: one core each
     booked = None
     if not job["dry_run"]:
-        booked = booking_bytes(gate(preset, "cuda", None, 0.08))
+        booked = booking_bytes(gate(preset, "cuda", None, GateSettings(0.08, "auto")))
         gpu_lease.book_gpu(f"gpu_evidence {job['trial']}", booked, timeout=300)
         torch.cuda.init()
     work = _workload(preset, device)
