@@ -472,11 +472,11 @@ def main(argv=None) -> int:
     parser.add_argument("--booking", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.booking:  # the search's booking of a co-location trial: one number on stdout
-        from tiersep.memory import gate
+        from tiersep.memory import GateSettings, gate
         from tiersep.search.packing import booking_bytes
 
         job = json.loads(args.booking)
-        print(booking_bytes(gate(_preset(job), "cpu" if job["dry_run"] else "cuda", None, 0.08)))
+        print(booking_bytes(gate(_preset(job), "cpu" if job["dry_run"] else "cuda", None, GateSettings(0.08, "auto"))))
         return 0
     if args.trial:   # a co-location trial: one JSON line on stdout
         print(json.dumps(run_trial(json.loads(args.trial))))

@@ -48,7 +48,7 @@ GB, GIB = 1e9, 2**30
 def configurations() -> list[dict]:
     """The space: each configuration's measured device use and step time, and today's booking."""
     from tiersep import config as C
-    from tiersep.memory import gate
+    from tiersep.memory import GateSettings, gate
     from tiersep.search.packing import booking_bytes
 
     rows = {r["name"]: r for r in map(json.loads, (DATA / "measurements.jsonl").read_text().splitlines())}
@@ -64,7 +64,7 @@ def configurations() -> list[dict]:
         # measured with the native allocator: book the same mode (a search could run them expandable, smaller)
         preset = C.set_field(preset, "train.cuda_expandable_segments", False)
         preset = C.validate(preset, "preset.schema.yaml", name)
-        estimate = gate(preset, "cuda", row["device_total_bytes"], 0.08)
+        estimate = gate(preset, "cuda", row["device_total_bytes"], GateSettings(0.08, "auto"))
         out.append({"name": name, "device_used": row["device_used_bytes"], "total": row["device_total_bytes"],
                     "step_s": seconds, "estimate": estimate["peak_bytes"],
                     "required": estimate["gate_required_bytes"], "booking": booking_bytes(estimate)})

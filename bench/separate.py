@@ -77,13 +77,15 @@ def budgets(tier: str) -> dict[str, float | None]:
     import torch
 
     from tiersep import config as C
-    from tiersep.separate.plan import estimate_for
+    from tiersep.memory import GateSettings
+    from tiersep.separate.plan import SeparationRequest, estimate_for
 
     preset, cpu = C.load_preset(tier), torch.device("cpu")
     rate = preset["audio"]["sample_rate"]
-    common = dict(safety_margin=0.08, overlap=0.25, shifts=1, rate_ratio=SONG_RATE / rate, calibration_spec="auto")
-    shortest = estimate_for(preset, cpu, rate, 1, None, **common)["gate_required_bytes"]
-    longest = estimate_for(preset, cpu, 10 * rate, 1, None, **common)["gate_required_bytes"]
+    common = (SeparationRequest(max_chunk=10 * rate, min_chunk=rate, max_batch=1, overlap=0.25, shifts=1,
+                                longest_samples=10**12, rate_ratio=SONG_RATE / rate), GateSettings(0.08, "auto"))
+    shortest = estimate_for(preset, cpu, rate, 1, None, *common)["gate_required_bytes"]
+    longest = estimate_for(preset, cpu, 10 * rate, 1, None, *common)["gate_required_bytes"]
     return {"tight": shortest * 1.002 / 0.92 / GIB, "mid": (shortest + longest) / 2 / 0.92 / GIB, "auto": None}
 
 

@@ -186,11 +186,11 @@ def test_the_workflows_own_estimate_spares_the_first_trace():
     """`--estimates results/vram`: a record made alike is the search's first trace; one made for
     another calibration, micro-batch, method or device is not."""
     from tiersep.memory import estimate
-    from tiersep.memory.fit import FitSearch
+    from tiersep.memory.fit import FitSearch, GateSettings
 
     preset = C.load_preset("small")
     record = estimate(preset, "trace", "cuda", 24 * GIB, 0.08, "NVIDIA H100 80GB HBM3")
-    search = FitSearch(preset, "cuda", 0.08, "NVIDIA H100 80GB HBM3", estimate_record=record)
+    search = FitSearch(preset, "cuda", GateSettings(0.08, "NVIDIA H100 80GB HBM3"), estimate_record=record)
     assert search.reused == 1 and len(search.traces) == 1
     assert search.fit(12 * GIB).record["peak_bytes"] == record["peak_bytes"]
     for change in ({"batch_size": 2}, {"method": "analytic"}, {"device": "cpu"}, {"parameters": 1},

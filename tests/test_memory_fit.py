@@ -4,15 +4,16 @@ from __future__ import annotations
 import pytest
 
 from tiersep import config as C
-from tiersep.memory import DoesNotFit, NothingFits, estimate, fit, gate
+from tiersep.memory import DoesNotFit, GateSettings, NothingFits, estimate, fit, gate
 
 GIB = 2**30
+SETTINGS = GateSettings(0.08, "auto")   # the config's defaults
 
 
 def test_gate_refuses_with_estimate_budget_and_nearest_fit():
     preset = C.load_preset("small")          # ~6.7 GiB on CUDA as is
     with pytest.raises(DoesNotFit) as caught:
-        gate(preset, "cuda", 4 * GIB, 0.08)
+        gate(preset, "cuda", 4 * GIB, SETTINGS)
     message = str(caught.value)
     peak = caught.value.estimate["peak_bytes"] / GIB
     assert f"estimated peak {peak:.2f} GiB" in message
@@ -24,9 +25,9 @@ def test_gate_refuses_with_estimate_budget_and_nearest_fit():
 
 def test_gate_passes_and_returns_the_estimate():
     preset = C.load_preset("cpu_tiny")
-    record = gate(preset, "cuda", 24 * GIB, 0.08)
+    record = gate(preset, "cuda", 24 * GIB, SETTINGS)
     assert record["fits"] is True and record["budget_bytes"] == 24 * GIB
-    assert gate(preset, "cuda", None, 0.08)["fits"] is None
+    assert gate(preset, "cuda", None, SETTINGS)["fits"] is None
 
 
 def test_gate_uses_a_given_estimate_against_the_current_budget():
@@ -36,7 +37,7 @@ def test_gate_uses_a_given_estimate_against_the_current_budget():
     # the same record against a budget too small even for the CPU process allowance: refused,
     # without a search that could help (nothing fits)
     with pytest.raises(DoesNotFit, match=r"live tensors booked as .* budget of 0.20 GiB; no variant fits"):
-        gate(preset, "cpu", int(0.2 * GIB), 0.08, estimate=record)
+        gate(preset, "cpu", int(0.2 * GIB), SETTINGS, estimate=record)
 
 
 def pinned_small() -> dict:
@@ -54,7 +55,7 @@ def test_fit_keeps_the_effective_batch_and_fits():
     peak = estimate(preset, device="cuda")["peak_bytes"]
     budget = int(0.9 * peak)                 # too small for micro-batch 4 as it is
     assert estimate(preset, device="cuda", budget_bytes=budget)["fits"] is False
-    fitted, changes = fit(preset, budget, "cuda", 0.08)
+    fitted, changes = fit(preset, budget, "cuda", SETTINGS)
     t = fitted["train"]
     assert t["batch_size"] * t["grad_accum"] == 4
     assert t["batch_size"] < 4 and any(c.startswith("train.batch_size: 4 ->") for c in changes)
@@ -68,10 +69,10 @@ def test_fit_keeps_the_effective_batch_and_fits():
 
 def test_fit_of_a_preset_that_fits_changes_nothing():
     preset = C.load_preset("cpu_tiny")
-    fitted, changes = fit(preset, 24 * GIB, "cuda", 0.08)
+    fitted, changes = fit(preset, 24 * GIB, "cuda", SETTINGS)
     assert changes == [] and fitted == preset
 
 
 def test_fit_says_when_nothing_fits():
     with pytest.raises(NothingFits, match="nothing fits 0.55 GiB on cuda"):
-        fit(pinned_small(), int(0.55 * GIB), "cuda", 0.08)   # the CUDA context alone is 0.5
+        fit(pinned_small(), int(0.55 * GIB), "cuda", SETTINGS)   # the CUDA context alone is 0.5

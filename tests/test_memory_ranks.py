@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tiersep import config as C
-from tiersep.memory import DoesNotFit, gate
+from tiersep.memory import DoesNotFit, GateSettings, gate
 from tiersep.memory.trace import ranks as R
 from tiersep.memory.calibration import resolve
 from tiersep.memory.estimate import estimate
@@ -26,6 +26,7 @@ from tiersep.train.launch import free_port
 from test_train_support import REPO
 
 LIMITS = [dist._DEFAULT_FIRST_BUCKET_BYTES, R.BUCKET_CAP_BYTES]
+SETTINGS = GateSettings(0.08, "auto")   # the config's defaults
 
 
 def torch_buckets(params: list[torch.Tensor], order: list[int] | None) -> list[list[int]]:
@@ -168,9 +169,9 @@ def test_the_gate_checks_each_ranks_gpu_against_its_own_budget():
     # a GPU that holds one rank fits, though it holds far less than the four ranks together
     roomy = int(per_rank / (1 - 0.08)) + 2**20
     assert roomy < record["data_parallel"]["global"]["gate_required_bytes_all_ranks"]
-    assert gate(preset, "cuda", roomy, 0.08, estimate=record)["fits"] is True
+    assert gate(preset, "cuda", roomy, SETTINGS, estimate=record)["fits"] is True
     with pytest.raises(DoesNotFit) as refused:
-        gate(preset, "cuda", per_rank, 0.08, estimate=record)
+        gate(preset, "cuda", per_rank, SETTINGS, estimate=record)
     assert "4 data-parallel ranks, each on its own GPU: estimated peak per rank" in str(refused.value)
     # fit keeps the ranks and the effective batch: a smaller micro-batch per rank, more accumulation
     t = refused.value.fitted["train"]
@@ -181,7 +182,7 @@ def test_the_gate_checks_each_ranks_gpu_against_its_own_budget():
 def test_a_single_rank_record_is_not_used_for_a_data_parallel_tier():
     preset = C.load_preset("cpu_tiny")
     single = estimate(preset, "trace", "cuda")
-    used = gate(C.set_field(preset, "train.ranks", 2), "cuda", None, 0.08, estimate=single)
+    used = gate(C.set_field(preset, "train.ranks", 2), "cuda", None, SETTINGS, estimate=single)
     assert used["ranks"] == 2 and used["data_parallel"]["buckets"] == 1
 
 
@@ -239,5 +240,5 @@ def test_fit_does_not_reuse_an_estimate_made_for_another_number_of_ranks():
 
     preset = C.set_field(C.load_preset("cpu_tiny"), "train.ranks", 2)
     record = estimate(preset, "trace", "cuda")
-    assert FitSearch(preset, "cuda").reusable(record)
-    assert not FitSearch(C.set_field(preset, "train.ranks", 4), "cuda").reusable(record)
+    assert FitSearch(preset, "cuda", SETTINGS).reusable(record)
+    assert not FitSearch(C.set_field(preset, "train.ranks", 4), "cuda", SETTINGS).reusable(record)

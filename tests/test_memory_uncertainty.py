@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from tiersep import config as C
-from tiersep.memory import DoesNotFit, accuracy, estimate, gate
+from tiersep.memory import DoesNotFit, GateSettings, accuracy, estimate, gate
 
 GIB = 2**30
 MARGIN = 0.08
@@ -35,9 +35,9 @@ def test_the_gate_refuses_what_only_the_uncertainty_pushes_over(record):
     assert peak * (1 + MARGIN) < low < high, "no budget in the range separates the two bookings"
     budget = int((low + high) / 2)
     exact = dict(copy.deepcopy(record), uncertainty=0.0)
-    assert gate(C.load_preset("cpu_tiny"), "cuda", budget, MARGIN, estimate=exact)["fits"] is True
+    assert gate(C.load_preset("cpu_tiny"), "cuda", budget, GateSettings(MARGIN, "auto"), estimate=exact)["fits"] is True
     with pytest.raises(DoesNotFit) as refused:
-        gate(C.load_preset("cpu_tiny"), "cuda", budget, MARGIN, estimate=record)
+        gate(C.load_preset("cpu_tiny"), "cuda", budget, GateSettings(MARGIN, "auto"), estimate=record)
     message = str(refused.value)
     assert f"+{u:.1%} uncertainty of its class" in message and f"estimated peak {peak / GIB:.2f} GiB" in message
 

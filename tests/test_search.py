@@ -37,10 +37,10 @@ def ws(tmp_path_factory):
 
 
 def gate_passes(ws: dict, params: dict) -> bool:
-    from tiersep.memory import DoesNotFit, gate
+    from tiersep.memory import DoesNotFit, GateSettings, gate
 
     try:
-        gate(base_preset(ws, **params), "cpu", int(ws["budget_gib"] * 2**30), 0.08)
+        gate(base_preset(ws, **params), "cpu", int(ws["budget_gib"] * 2**30), GateSettings(0.08, "auto"))
         return True
     except DoesNotFit:
         return False

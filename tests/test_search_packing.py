@@ -198,7 +198,7 @@ def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machi
     import yaml
 
     from test_search_support import base_preset, budget_between, env, search_workspace, trials_csv, write_search_config
-    from tiersep.memory import gate
+    from tiersep.memory import GateSettings, gate
     from tiersep.search.packing import booking_bytes
 
     machine["fake"].write_text(json.dumps([{"name": "Fake small GPU", "total": int(2.5 * GIB),
@@ -209,7 +209,8 @@ def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machi
     ws["base_file"].write_text(yaml.safe_dump(preset, sort_keys=False))
 
     def cuda_booking(batch: int) -> int:
-        return int(gate(base_preset(ws, **{"train.batch_size": batch}), "cuda", 64 * GIB, 0.08)["gate_required_bytes"])
+        preset = base_preset(ws, **{"train.batch_size": batch})
+        return int(gate(preset, "cuda", 64 * GIB, GateSettings(0.08, "auto"))["gate_required_bytes"])
 
     # batch 1-2 fit the per-trial budget, batch 8 does not (the gate's own CUDA booking decides);
     # two bookings fit the 2.5 GiB GPU together, three do not

@@ -60,12 +60,12 @@ def just_over(nbytes: int) -> float:
 
 
 def gate_passes(ws: dict, params: dict, budget_gib: float) -> bool:
-    from tiersep.memory import DoesNotFit, gate
+    from tiersep.memory import DoesNotFit, GateSettings, gate
 
     from test_search_support import base_preset
 
     try:
-        gate(base_preset(ws, **params), "cpu", int(budget_gib * GIB), MARGIN)
+        gate(base_preset(ws, **params), "cpu", int(budget_gib * GIB), GateSettings(MARGIN, "auto"))
         return True
     except DoesNotFit:
         return False

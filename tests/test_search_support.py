@@ -54,13 +54,13 @@ def booking(ws: dict, sets: dict, tight: bool = False) -> int:
     """The CPU booking the fit gate makes for the base preset with `sets` ({dotted field: value}):
     under a roomy budget (glibc's own malloc), or with `tight` under one it cannot meet, where the
     gate books the tuned malloc's smaller figure (as it does whenever glibc's own does not fit)."""
-    from tiersep.memory import DoesNotFit, gate
+    from tiersep.memory import DoesNotFit, GateSettings, gate
 
     preset = base_preset(ws, **sets)
     if not tight:
-        return int(gate(preset, "cpu", 64 * 2**30, 0.08)["gate_required_bytes"])
+        return int(gate(preset, "cpu", 64 * 2**30, GateSettings(0.08, "auto"))["gate_required_bytes"])
     with pytest.raises(DoesNotFit) as refused:
-        gate(preset, "cpu", 1, 0.08)
+        gate(preset, "cpu", 1, GateSettings(0.08, "auto"))
     assert refused.value.estimate["cpu_process"]["malloc"] == "tuned"
     return int(refused.value.estimate["gate_required_bytes"])
 

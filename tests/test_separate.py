@@ -221,14 +221,16 @@ def test_formats_and_clipping_are_reported(ws, tmp_path):
 def test_a_tight_budget_gives_a_shorter_chunk_and_the_process_stays_under_it(ws, songs, tmp_path):
     from tiersep import config as C
     from tiersep.probe import measure_peak_rss
-    from tiersep.separate.plan import estimate_for
+    from tiersep.memory import GateSettings
+    from tiersep.separate.plan import SeparationRequest, estimate_for
 
     import torch
 
     preset = C.load_preset(TINY_PRESET["name"], ws["cfg"])
-    common = dict(safety_margin=0.08, overlap=0.25, shifts=1, rate_ratio=44100 / 8000, calibration_spec="auto")
-    shortest = estimate_for(preset, torch.device("cpu"), 8000, 1, None, **common)["gate_required_bytes"]
-    longest = estimate_for(preset, torch.device("cpu"), 80000, 1, None, **common)["gate_required_bytes"]
+    common = (SeparationRequest(max_chunk=80000, min_chunk=8000, max_batch=1, overlap=0.25, shifts=1,
+                                longest_samples=10**9, rate_ratio=44100 / 8000), GateSettings(0.08, "auto"))
+    shortest = estimate_for(preset, torch.device("cpu"), 8000, 1, None, *common)["gate_required_bytes"]
+    longest = estimate_for(preset, torch.device("cpu"), 80000, 1, None, *common)["gate_required_bytes"]
     budget_gib = (shortest + longest) / 2 / 0.92 / 2**30
     out = tmp_path / "out"
     cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]),

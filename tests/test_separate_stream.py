@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from tiersep import config as C
+from tiersep.memory import GateSettings
 from tiersep.separate.overlap_add import OverlapAdd, ShiftAverage
 from tiersep.separate.overlap_add import separate_track as separate
 from tiersep.memory.inference import trace_inference
 from tiersep.memory.trace.tracker import StorageTracker, cpu_block_bytes
 from tiersep.model import build_model
-from tiersep.separate.plan import choose, estimate_for
+from tiersep.separate.plan import SeparationRequest, choose, estimate_for
 from tiersep.separate.resample import StreamResampler
 from tiersep.separate.run import Options, check_options, render
 from tiersep.separate.song import shift_delays
@@ -153,19 +155,21 @@ def test_a_cuda_inference_estimate_books_the_device_use_with_the_calibrated_cont
 def test_plan_takes_the_longest_chunk_and_largest_batch_that_fit():
     preset = C.load_preset("cpu_tiny")
     cpu = torch.device("cpu")
-    common = dict(safety_margin=0.08, overlap=0.25, shifts=1, rate_ratio=1.0, calibration_spec="auto")
-    shortest = estimate_for(preset, cpu, 8000, 1, None, **common)["gate_required_bytes"]
-    longest = estimate_for(preset, cpu, 80000, 1, None, **common)["gate_required_bytes"]
+    settings = GateSettings(0.08, "auto")
+    request = SeparationRequest(max_chunk=80000, min_chunk=8000, max_batch=4, overlap=0.25, shifts=1,
+                                longest_samples=10**9, rate_ratio=1.0)
+    shortest = estimate_for(preset, cpu, 8000, 1, None, request, settings)["gate_required_bytes"]
+    longest = estimate_for(preset, cpu, 80000, 1, None, request, settings)["gate_required_bytes"]
     budget = int((shortest + longest) / 2 / 0.92)
-    plan = choose(preset, cpu, budget, "test", 0.08, 80000, 8000, 4, 0.25, 1, 10**9, 1.0, "auto")
+    plan = choose(preset, cpu, budget, "test", request, settings)
     assert 8000 < plan.chunk_samples < 80000 and plan.batch == 1
     assert plan.estimate["fits"] and plan.estimate["gate_required_bytes"] + 0.08 * budget <= budget
-    roomy = choose(preset, cpu, 64 * 2**30, "test", 0.08, 80000, 8000, 4, 0.25, 1, 10**9, 1.0, "auto")
+    roomy = choose(preset, cpu, 64 * 2**30, "test", request, settings)
     assert (roomy.chunk_samples, roomy.batch) == (80000, 4)
-    short_song = choose(preset, cpu, 64 * 2**30, "test", 0.08, 80000, 8000, 4, 0.25, 1, 30000, 1.0, "auto")
+    short_song = choose(preset, cpu, 64 * 2**30, "test", replace(request, longest_samples=30000), settings)
     assert short_song.batch == 1                     # one chunk covers the longest song
     with pytest.raises(C.DoesNotFit, match=r"shortest chunk \(1 s, batch 1\) needs an estimated"):
-        choose(preset, cpu, int(shortest * 0.9), "test", 0.08, 80000, 8000, 4, 0.25, 1, 10**9, 1.0, "auto")
+        choose(preset, cpu, int(shortest * 0.9), "test", request, settings)
 
 
 def options(**changes) -> Options:

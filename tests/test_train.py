@@ -360,9 +360,9 @@ def test_a_failed_compile_rechecks_the_gate_for_the_eager_step(ws, tmp_path, mon
 
     real_gate = memory.gate
 
-    def refuse_eager(preset, device_type, budget, margin, **kwargs):   # the compiled step fits, eager not
+    def refuse_eager(preset, device_type, budget, settings, **kwargs):   # the compiled step fits, eager not
         if kwargs.get("compiled") is not False:
-            return real_gate(preset, device_type, budget, margin, **kwargs)
+            return real_gate(preset, device_type, budget, settings, **kwargs)
         raise memory.DoesNotFit("preset tiny: estimated peak 9 GiB exceeds the budget", {"peak_bytes": 9 * 2**30})
 
     monkeypatch.setattr(memory, "gate", refuse_eager)

@@ -170,7 +170,7 @@ def cmd_estimate(args, cfg):
 
 def _estimate_one(args, cfg, name: str, out: str) -> None:
     from tiersep.io import write_json
-    from tiersep.memory import estimate
+    from tiersep.memory import GateSettings, estimate
     from tiersep.records import validate_record
 
     preset = resolve_preset(name, cfg, args.set)
@@ -184,13 +184,14 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
             named = "--method measure" if args.method else f"{cfg.get('_source', 'config')}: estimate.method: measure"
             raise C.ConfigError(f"{named} on device cuda needs a GPU, and torch sees none (use --method "
                                 "trace or analytic, which model cuda without one, or --device cpu)")
+    settings = GateSettings.from_config(cfg, args.calibration)
     record = estimate(
         preset,
         method=method,
         device=device,
         budget_bytes=estimate_budget(cfg, device, args.budget),
-        safety_margin=cfg["estimate"]["safety_margin"],
-        calibration_spec=args.calibration or cfg["estimate"]["calibration"],
+        safety_margin=settings.safety_margin,
+        calibration_spec=settings.calibration_spec,
     )
     if device == "cuda" and args.budget is None and cfg["budget_gib"] == "auto":
         record["budget"] = "auto (checked at train time)"
@@ -206,7 +207,7 @@ def cmd_fit(args, cfg):
     if args.gpus is not None:
         return cmd_fit_matrix(args, cfg)
     from tiersep.io import write_text
-    from tiersep.memory.fit import FitSearch, NothingFits
+    from tiersep.memory.fit import FitSearch, GateSettings, NothingFits
 
     if not args.preset or len(args.preset) > 1:
         raise C.ConfigError("--preset: one preset with --budget (several only with --gpus)")
@@ -219,8 +220,7 @@ def cmd_fit(args, cfg):
         raise C.ConfigError("--budget: no budget (auto found no GPU); give a number of GiB")
     try:
         found = FitSearch(preset, estimate_device(cfg, args.preset, preset, args.device),
-                          cfg["estimate"]["safety_margin"],
-                          args.calibration or cfg["estimate"]["calibration"]).fit(budget)
+                          GateSettings.from_config(cfg, args.calibration)).fit(budget)
     except NothingFits as err:
         raise C.DoesNotFit(str(err)) from None
     fitted, changes, record = found.variant, found.changes, found.record
@@ -237,6 +237,7 @@ def cmd_fit_matrix(args, cfg):
     """`fit --gpus`: the nearest fitting variant of each preset for every budget, as a table;
     --json writes the fit_matrix record, --out DIR one preset per cell that fits."""
     from tiersep.io import write_json
+    from tiersep.memory.fit import GateSettings
     from tiersep.memory.fit import matrix as fit_matrix
     from tiersep.records import validate_record
 
@@ -245,9 +246,9 @@ def cmd_fit_matrix(args, cfg):
     budgets = fit_matrix.parse_budgets(fit_matrix.split_gpus(args.gpus), "--gpus")   # one line when bad
     entries = args.preset or fit_matrix.config_tiers(cfg)
     tiers = [(C.tier_name(entry), resolve_preset(entry, cfg, args.set)) for entry in entries]
-    record, presets = fit_matrix.build(tiers, budgets, cfg["estimate"]["safety_margin"],
-                                       args.calibration or cfg["estimate"]["calibration"], jobs=args.jobs,
-                                       estimates=_estimate_records(args.estimates, [t for t, _ in tiers]))
+    estimates = _estimate_records(args.estimates, [t for t, _ in tiers])
+    record, presets = fit_matrix.build(tiers, budgets, GateSettings.from_config(cfg, args.calibration),
+                                       jobs=args.jobs, estimates=estimates)
     print("\n".join(fit_matrix.table_lines(record)))
     if args.out:
         written = fit_matrix.write_presets(args.out, presets)
@@ -327,6 +328,7 @@ def cmd_evaluate(args, cfg):
 def cmd_estimate_inference(args, cfg):
     """`estimate --inference`: the memory of separation (one model call on a batch of chunks)."""
     from tiersep.io import write_json
+    from tiersep.memory import GateSettings
     from tiersep.memory.inference import estimate_inference
     from tiersep.records import validate_record
 
@@ -337,10 +339,10 @@ def cmd_estimate_inference(args, cfg):
     rate = preset["audio"]["sample_rate"]
     seconds = args.chunk if args.chunk is not None else cfg["separate"]["chunk_seconds"]
     chunk = max(preset["audio"]["n_fft"], int(round(seconds * rate)))
+    settings = GateSettings.from_config(cfg, args.calibration)
     record = estimate_inference(preset, device, chunk, args.batch or 1,
                                 budget_bytes=estimate_budget(cfg, device, args.budget),
-                                safety_margin=cfg["estimate"]["safety_margin"],
-                                calibration_spec=args.calibration or cfg["estimate"]["calibration"])
+                                safety_margin=settings.safety_margin, calibration_spec=settings.calibration_spec)
     write_json(args.out, validate_record("estimate", record, args.out))
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
     print(f"{preset['name']}: separation of {chunk / rate:g} s chunks x {record['batch']}: "

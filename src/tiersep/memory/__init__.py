@@ -1,8 +1,9 @@
 """Peak-memory estimates of a training step (and of a separation call), and the budget decisions.
 
 estimate(preset, method, device, budget_bytes, safety_margin) -> the results/vram JSON record
-fit(preset, budget_bytes, device, safety_margin) -> (variant that fits, changes)
-gate(preset, device_type, budget_bytes, safety_margin, estimate=None) -> estimate, or DoesNotFit
+fit(preset, budget_bytes, device, settings) -> (variant that fits, changes)
+gate(preset, device_type, budget_bytes, settings, estimate=None) -> estimate, or DoesNotFit
+GateSettings(safety_margin, calibration_spec): the settings of both, GateSettings.from_config(cfg)
 
 Three rooms, each using only the ones above it in this list:
 trace/         the engine: a step on fake tensors, counted and replayed through the caching allocator
@@ -25,6 +26,6 @@ import a module of the fit room with `from tiersep.memory.fit import matrix`, no
 `import tiersep.memory.fit.matrix` (whose attribute lookup finds the function).
 """
 from .estimate import estimate
-from .fit import DoesNotFit, NothingFits, fit, gate
+from .fit import DoesNotFit, GateSettings, NothingFits, fit, gate
 
-__all__ = ["estimate", "fit", "gate", "DoesNotFit", "NothingFits"]
+__all__ = ["estimate", "fit", "gate", "DoesNotFit", "GateSettings", "NothingFits"]

@@ -19,7 +19,7 @@ import copy
 from dataclasses import dataclass, field
 
 from tiersep import config as C
-from tiersep.memory import DoesNotFit, gate
+from tiersep.memory import DoesNotFit, GateSettings, gate
 
 GIB = 2**30
 # Levers that keep the maths; fit's other ones change numerics (bf16) or the data (segment).
@@ -84,7 +84,7 @@ class Admitter:
 
     def __init__(self, cfg: dict, search: dict, device: str, budget: int):
         self.cfg, self.device, self.budget = cfg, device, budget
-        self.margin, self.spec = cfg["estimate"]["safety_margin"], cfg["estimate"]["calibration"]
+        self.settings = GateSettings.from_config(cfg)
         self.repair = search["on_oversize"] == "repair"
         self.repair_segment = search["repair_segment"]
         self._seen: dict[str, Admission] = {}
@@ -101,12 +101,12 @@ class Admitter:
 
     def _admit(self, preset: dict) -> Admission:
         try:
-            record = gate(preset, self.device, self.budget, self.margin, calibration_spec=self.spec)
+            record = gate(preset, self.device, self.budget, self.settings)
             return Admission("fits", preset, record, self.budget)
         except DoesNotFit as refused:
             sampled = Admission("infeasible", None, refused.estimate, self.budget)
-            over = (f"booked {sampled.booking_bytes / GIB:.2f} GiB + {self.margin:.0%} margin exceeds the "
-                    f"budget of {self.budget / GIB:.2f} GiB")
+            over = (f"booked {sampled.booking_bytes / GIB:.2f} GiB + {self.settings.safety_margin:.0%} margin "
+                    f"exceeds the budget of {self.budget / GIB:.2f} GiB")
             if not self.repair:
                 sampled.reason = f"does not fit: {over} (on_oversize: skip)"
                 return sampled
@@ -125,7 +125,7 @@ class Admitter:
         variant = copy.deepcopy(fitted)
         variant["name"], variant["description"] = preset["name"], f"{preset['name']} repaired: {'; '.join(levers)}"
         try:   # gated again, as the trainer's on_oversize: adapt does
-            record = gate(variant, self.device, self.budget, self.margin, calibration_spec=self.spec)
+            record = gate(variant, self.device, self.budget, self.settings)
         except DoesNotFit as err:
             sampled.reason = f"does not fit: {over}; its repair does not fit either ({C.escape_line_breaks(str(err))[:200]})"
             return sampled

@@ -7,10 +7,11 @@ model call on a batch of chunks: on CUDA the predicted device use, on a CPU the 
 peak RSS, the stream's host buffers (`host_bytes`) included. As the fit gate, a plan fits when
 booking + safety margin x budget <= budget.
 
-`choose` picks the longest chunk (at most the requested one, at least `min_chunk`) that fits with a
-batch of one, then the largest batch of such chunks that fits (at most the requested one, and no
-more than the longest song has chunks): memory grows with both, and the chunk matters more for
-quality. A budget that does not fit the shortest chunk is refused before any song is touched.
+`choose` picks, for a `SeparationRequest` (what the command asks, built once in separate/run.py),
+the longest chunk (at most the requested one, at least `min_chunk`) that fits with a batch of one,
+then the largest batch of such chunks that fits (at most the requested one, and no more than the
+longest song has chunks): memory grows with both, and the chunk matters more for quality. A budget
+that does not fit the shortest chunk is refused before any song is touched.
 """
 from __future__ import annotations
 
@@ -20,11 +21,27 @@ import torch
 
 from tiersep.config import DoesNotFit
 from tiersep.device import resolve_device
-from .overlap_add import overlap_samples, plan_chunks
+from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
+
+from .overlap_add import overlap_samples, plan_chunks
 
 BYTES = 4                  # float32 samples
 BLOCK_FRAMES = 1 << 16     # frames per block: decoded (song rate), and separated stems handed on (model rate)
+
+
+@dataclass(frozen=True)
+class SeparationRequest:
+    """What one `tiersep separate` asks of the plan, in samples at the model's rate: the user's
+    limits and settings (the options), and what the songs need."""
+    max_chunk: int          # the longest chunk tried (--chunk)
+    min_chunk: int          # the shortest chunk accepted (separate.min_chunk_seconds)
+    max_batch: int          # the most chunks per model call (--batch)
+    overlap: float          # the fraction of a chunk shared with the next
+    shifts: int             # passes at shifted offsets, averaged
+    longest_samples: int    # the longest song: no batch beyond its chunks
+    rate_ratio: float       # the song rate furthest from the model's, over it (the stream's blocks scale with it)
+    two_stem: bool = False  # --stems: a stem and its complement (the mixture is kept for it)
 
 
 @dataclass
@@ -83,28 +100,27 @@ def host_bytes(channels: int, n_src: int, chunk: int, batch: int, hop: int, shif
 
 
 def estimate_for(preset: dict, device: torch.device, chunk: int, batch: int, budget: int | None,
-                 safety_margin: float, overlap: float, shifts: int, rate_ratio: float, calibration_spec: str,
-                 two_stem: bool = False) -> dict:
+                 request: SeparationRequest, settings: GateSettings) -> dict:
     """The inference estimate of one chunk size and batch, with the stream's host buffers."""
     from tiersep.memory.inference import estimate_inference
 
     n_src, channels = len(preset["model"]["sources"]), preset["audio"]["channels"]
-    hop = chunk - overlap_samples(chunk, overlap)
-    return estimate_inference(preset, device.type, chunk, batch, budget, safety_margin, calibration_spec,
-                              host_bytes(channels, n_src, chunk, batch, hop, shifts, rate_ratio, two_stem))
+    hop = chunk - overlap_samples(chunk, request.overlap)
+    host = host_bytes(channels, n_src, chunk, batch, hop, request.shifts, request.rate_ratio, request.two_stem)
+    return estimate_inference(preset, device.type, chunk, batch, budget, settings.safety_margin,
+                              settings.calibration_spec, host)
 
 
-def choose(preset: dict, device: torch.device, budget: int, budget_source: str, safety_margin: float,
-           max_chunk: int, min_chunk: int, max_batch: int, overlap: float, shifts: int,
-           longest_samples: int, rate_ratio: float, calibration_spec: str, two_stem: bool = False) -> Plan:
-    """The plan for these settings (see module docstring); DoesNotFit when nothing fits."""
-    min_chunk = min(min_chunk, max_chunk)
+def choose(preset: dict, device: torch.device, budget: int, budget_source: str, request: SeparationRequest,
+           settings: GateSettings) -> Plan:
+    """The plan for this request (see module docstring); DoesNotFit when nothing fits."""
+    max_chunk, max_batch, overlap = request.max_chunk, request.max_batch, request.overlap
+    min_chunk = min(request.min_chunk, max_chunk)
     tried, cache = [], {}
 
     def estimate(chunk: int, batch: int) -> dict:
         if (chunk, batch) not in cache:
-            record = estimate_for(preset, device, chunk, batch, budget, safety_margin, overlap, shifts,
-                                  rate_ratio, calibration_spec, two_stem)
+            record = estimate_for(preset, device, chunk, batch, budget, request, settings)
             cache[chunk, batch] = record
             tried.append({"chunk_samples": chunk, "batch": batch,
                           "required_bytes": record["gate_required_bytes"], "fits": record["fits"]})
@@ -122,10 +138,10 @@ def choose(preset: dict, device: torch.device, budget: int, budget_source: str, 
 
     if not chunk_fits(min_chunk):
         record = estimate(min_chunk, 1)
-        raise DoesNotFit(_refusal(preset, device, record, budget, budget_source, safety_margin, min_chunk))
+        raise DoesNotFit(_refusal(preset, device, record, budget, budget_source, settings.safety_margin, min_chunk))
     chunk = max_chunk if chunk_fits(max_chunk) else largest(min_chunk, max_chunk, chunk_fits,
                                                             max(1, (max_chunk - min_chunk) // 64))
-    chunks_needed = len(plan_chunks(longest_samples, chunk, overlap_samples(chunk, overlap)))
+    chunks_needed = len(plan_chunks(request.longest_samples, chunk, overlap_samples(chunk, overlap)))
     top = max(1, min(max_batch, chunks_needed))
     batch_fits = lambda b: estimate(chunk, b)["fits"]   # noqa: E731
     batch = top if batch_fits(top) else largest(1, top, batch_fits, 0)

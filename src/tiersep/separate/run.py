@@ -23,11 +23,12 @@ from tqdm import tqdm
 from tiersep import config as C
 from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
+from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
 from tiersep.outputs import check, claim, exclusive
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
-from .plan import BLOCK_FRAMES, budget_for, choose, separation_device
+from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
 from .song import StreamSettings, complement_name, separate_song
 from .stems import SongFiles
 
@@ -191,20 +192,25 @@ def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[di
 def _plan(cfg: dict, opts: Options, preset: dict, infos: dict):
     from tiersep.device import configure_cuda_allocator
 
-    rate = preset["audio"]["sample_rate"]
     configure_cuda_allocator(preset)                    # before CUDA starts: the mode the estimate models
     device = separation_device(opts.device)
-    spec = cfg["estimate"]["calibration"]
-    budget, source = budget_for(device, opts.budget_gib, spec)
-    seconds = [i.seconds for i in infos.values()]
-    longest = int(max(seconds) * rate) + 1 if None not in seconds else 10**12
-    n_fft = preset["audio"]["n_fft"]                    # the model needs more than n_fft / 2 samples
-    max_chunk = max(n_fft, int(round(opts.chunk_seconds * rate)))
-    min_chunk = max(n_fft, int(round(opts.min_chunk_seconds * rate)))
-    plan = choose(preset, device, budget, source, cfg["estimate"]["safety_margin"], max_chunk, min_chunk,
-                  opts.max_batch, opts.overlap, opts.shifts, longest, _rate_ratio(infos, rate), spec,
-                  two_stem=opts.stems is not None)
+    settings = GateSettings.from_config(cfg)
+    budget, source = budget_for(device, opts.budget_gib, settings.calibration_spec)
+    plan = choose(preset, device, budget, source, separation_request(opts, preset, infos), settings)
     return device, plan
+
+
+def separation_request(opts: Options, preset: dict, infos: dict) -> SeparationRequest:
+    """What the options ask of the plan for these songs, in samples at the model's rate."""
+    rate = preset["audio"]["sample_rate"]
+    seconds = [i.seconds for i in infos.values()]
+    n_fft = preset["audio"]["n_fft"]                    # the model needs more than n_fft / 2 samples
+    return SeparationRequest(
+        max_chunk=max(n_fft, int(round(opts.chunk_seconds * rate))),
+        min_chunk=max(n_fft, int(round(opts.min_chunk_seconds * rate))),
+        max_batch=opts.max_batch, overlap=opts.overlap, shifts=opts.shifts,
+        longest_samples=int(max(seconds) * rate) + 1 if None not in seconds else 10**12,
+        rate_ratio=_rate_ratio(infos, rate), two_stem=opts.stems is not None)
 
 
 def _rate_ratio(infos: dict, rate: int) -> float:

@@ -104,7 +104,6 @@ def _regate_eager(run, reason: str) -> None:
         return
     from tiersep.memory import gate
 
-    run.plan.estimate = gate(run.preset, run.device.type, run.plan.budget, run.plan.safety_margin,
-                             calibration_spec=run.plan.calibration_spec, compiled=False)
+    run.plan.estimate = gate(run.preset, run.device.type, run.plan.budget, run.plan.gate_settings, compiled=False)
     run.compile_info["regated"] = (f"the eager step's estimate, {run.plan.estimate['gate_required_bytes']} "
                                    "bytes, fits the budget")

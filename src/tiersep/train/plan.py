@@ -18,6 +18,7 @@ from tiersep import config as C
 from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_allocator
 from tiersep.io import read_json
 from tiersep.malloc import configure_malloc
+from tiersep.memory import GateSettings
 from tiersep.memory.cpu_booking import trims_heap
 from tiersep.model.compile import compiles
 from tiersep.probe import MemoryProbe
@@ -54,8 +55,7 @@ class RunPlan:
     refusal: str | None = None      # set: the run is refused (exit 3)
     memory_fraction: float | None = None
     malloc: dict | None = None      # host malloc settings the CPU booking assumes (cpu_process)
-    safety_margin: float = 0.08     # the gate's, kept for a re-check (a compile falling back to eager)
-    calibration_spec: str = "auto"
+    gate_settings: GateSettings | None = None   # the gate's, kept for a re-check (a compile falling back to eager)
 
     @property
     def compile(self) -> bool:
@@ -143,7 +143,7 @@ def plan_run(job: TrainJob, gated_on_main: bool = False, main_estimate: dict | N
     plan = RunPlan(preset, device, probe, attempt, allocator, probe.start_free_bytes(), probe.process_bytes(),
                    resume=state, not_resumed=not_resumed, resume_warning="; ".join(resume_warnings) or None,
                    resume_requested=resume,
-                   downshifted_from=downshifted_from,
+                   downshifted_from=downshifted_from, gate_settings=GateSettings.from_config(cfg),
                    memory_fraction=apply_memory_fraction(device))
     if previous_failure and previous_failure.get("kind") == "oom":
         plan.recovered_from = previous_failure   # only an OOM is "recovered from" by this run
@@ -160,14 +160,12 @@ def plan_run(job: TrainJob, gated_on_main: bool = False, main_estimate: dict | N
     estimate, distrust = usable_estimate(job.estimate_path, preset, device, allocator, downshifted)
     if distrust:
         print(f"tiersep train: {distrust}", file=sys.stderr)
-    margin, spec = cfg["estimate"]["safety_margin"], cfg["estimate"]["calibration"]
-    plan.safety_margin, plan.calibration_spec = margin, spec
     try:
-        plan.estimate = gate(preset, device.type, plan.budget, margin, estimate=estimate, calibration_spec=spec)
+        plan.estimate = gate(preset, device.type, plan.budget, plan.gate_settings, estimate=estimate)
     except DoesNotFit as refused:
         plan.refusal, plan.estimate = str(refused), refused.estimate
         if cfg["on_oversize"] == "adapt" and plan.budget is not None:
-            _adapt(plan, cfg, refused, out_dir, resume)
+            _adapt(plan, refused, out_dir, resume)
     plan.malloc = host_malloc(plan)
     return plan
 
@@ -188,7 +186,7 @@ def host_malloc(plan: RunPlan) -> dict:
             "trim_heap": trims_heap(plan.preset, mode) and not plan.compile}
 
 
-def _adapt(plan: RunPlan, cfg: dict, refused, out_dir: Path, resume: bool) -> None:
+def _adapt(plan: RunPlan, refused, out_dir: Path, resume: bool) -> None:
     """on_oversize: adapt. Train the nearest variant that fits (the one the gate's refusal names,
     from tiersep.memory.fit), gated again; the refusal stands when none does."""
     from tiersep.memory import DoesNotFit, gate
@@ -199,8 +197,7 @@ def _adapt(plan: RunPlan, cfg: dict, refused, out_dir: Path, resume: bool) -> No
     fitted = copy.deepcopy(refused.fitted)
     fitted["name"] = plan.preset["name"]  # the tier keeps its name; run.json records what changed
     try:
-        plan.estimate = gate(fitted, plan.device.type, plan.budget, cfg["estimate"]["safety_margin"],
-                             calibration_spec=cfg["estimate"]["calibration"])
+        plan.estimate = gate(fitted, plan.device.type, plan.budget, plan.gate_settings)
     except DoesNotFit as err:
         plan.refusal = f"{refused}; on_oversize is adapt, but the variant still does not fit: {err}"
         return

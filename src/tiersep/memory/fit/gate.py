@@ -14,18 +14,20 @@ from tiersep.config import DoesNotFit
 from ..constants import GIB
 from ..estimate import estimate as make_estimate
 from ..estimate import finish
+from .settings import GateSettings
 
 
-def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin: float,
-         estimate: dict | None = None, calibration_spec: str = "auto", compiled: bool | None = None) -> dict:
+def gate(preset: dict, device_type: str, budget_bytes: int | None, settings: GateSettings,
+         estimate: dict | None = None, compiled: bool | None = None) -> dict:
     """Return the estimate used; raise DoesNotFit when it does not fit the budget. `compiled`:
     estimate the compiled (True) or eager (False) step; None: as the preset will run."""
+    safety_margin = settings.safety_margin
     device_type = "cuda" if device_type == "cuda" else "cpu"
     if estimate is not None and estimate.get("ranks", 1) != preset["train"].get("ranks", 1):
         estimate = None    # made for another number of ranks: a rank's figures differ (memory/trace/ranks.py)
     if estimate is None:
-        estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin, calibration_spec,
-                                 compiled=compiled)
+        estimate = make_estimate(preset, "trace", device_type, budget_bytes, safety_margin,
+                                 settings.calibration_spec, compiled=compiled)
     else:
         estimate = finish(dict(estimate), budget_bytes, safety_margin, estimate.get("seconds", 0.0))
     if budget_bytes is None or estimate["fits"]:
@@ -50,7 +52,7 @@ def gate(preset: dict, device_type: str, budget_bytes: int | None, safety_margin
     try:
         from .search import fit
 
-        fitted, suggestion = fit(preset, budget_bytes, device_type, safety_margin, calibration_spec)
+        fitted, suggestion = fit(preset, budget_bytes, device_type, settings)
         hint = (f"nearest change that fits: {'; '.join(suggestion)} (`tiersep fit --preset "
                 f"{preset['name']} --budget {budget_bytes / GIB:.1f}` writes it)")
     except Exception as err:   # nothing fits, or the search failed: say so, still refuse

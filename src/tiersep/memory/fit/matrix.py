@@ -22,6 +22,7 @@ from .. import accuracy, calibration
 from ..constants import GIB
 from .cost import recompute_fraction
 from .search import FitSearch, Fitted, NothingFits, fitted_name
+from .settings import GateSettings
 
 MAX_BUDGET_GIB = 4096   # as budget_gib in config.schema.yaml
 SHORTER_SEGMENT_MARK = "*"
@@ -214,12 +215,12 @@ def cell_of(search: FitSearch, budget: Budget) -> tuple[dict, dict | None]:
 
 
 # ---- the matrix ---------------------------------------------------------------------------------
-def spec_for(budget: Budget, calibration_spec: str) -> str:
+def settings_for(budget: Budget, settings: GateSettings) -> GateSettings:
     """A GPU of the table is estimated with its own calibration; a number of GiB with the config's."""
-    return budget.gpu if budget.gpu is not None else calibration_spec
+    return settings.calibrated(budget.gpu) if budget.gpu is not None else settings
 
 
-def row(tier: str, preset: dict, budgets: list[Budget], safety_margin: float, calibration_spec: str,
+def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
         estimate_record: dict | None = None, progress=None) -> tuple[dict, dict[str, dict], int]:
     """(a tier's row of the record, {budget label: the preset that fits}, traces run): one
     FitSearch per calibration, its traces kept across the budgets; `estimate_record`, the tier's
@@ -227,11 +228,11 @@ def row(tier: str, preset: dict, budgets: list[Budget], safety_margin: float, ca
     searches: dict[tuple, FitSearch] = {}
     cells, presets = [], {}
     for budget in budgets:
-        spec = spec_for(budget, calibration_spec)
-        used = calibration.resolve(spec)["used"]
+        cell_settings = settings_for(budget, settings)
+        used = calibration.resolve(cell_settings.calibration_spec)["used"]
         key = (used["name"], used["source"])
         if key not in searches:
-            searches[key] = FitSearch(preset, "cuda", safety_margin, spec, estimate_record)
+            searches[key] = FitSearch(preset, "cuda", cell_settings, estimate_record)
         cell, fitted = cell_of(searches[key], budget)
         cells.append(cell)
         if fitted is not None:
@@ -258,16 +259,15 @@ def trace_weight(preset: dict) -> int:
     return preset["model"]["n_layers"] * (2 if preset["train"]["batch_size"] * preset["train"]["grad_accum"] > 1 else 1)
 
 
-def build(tiers: list[tuple[str, dict]], budgets: list[Budget], safety_margin: float,
-          calibration_spec: str = "auto", jobs: int = 1, progress=None,
-          estimates: dict[str, dict] | None = None) -> tuple[dict, dict]:
+def build(tiers: list[tuple[str, dict]], budgets: list[Budget], settings: GateSettings, jobs: int = 1,
+          progress=None, estimates: dict[str, dict] | None = None) -> tuple[dict, dict]:
     """(the fit_matrix record of `tiers` [(tier name, preset)] x `budgets`, {(tier, budget label):
     the preset that fits}). `jobs` > 1: tiers in that many worker processes, heaviest first.
     `estimates`: tier -> its estimate record, used instead of tracing the preset where alike."""
     import torch
 
     start = time.time()
-    jobs_list = [(tier, preset, budgets, safety_margin, calibration_spec, (estimates or {}).get(tier))
+    jobs_list = [(tier, preset, budgets, settings, (estimates or {}).get(tier))
                  for tier, preset in tiers]
     if jobs > 1 and len(tiers) > 1:
         import multiprocessing
@@ -283,9 +283,9 @@ def build(tiers: list[tuple[str, dict]], budgets: list[Budget], safety_margin: f
                     progress(tier, budget, cell)
     else:
         results = [row(*job, progress=progress) for job in jobs_list]
-    used = calibration.resolve(calibration_spec)
+    used = calibration.resolve(settings.calibration_spec)
     record = {
-        "device": "cuda", "method": "trace", "safety_margin": safety_margin,
+        "device": "cuda", "method": "trace", "safety_margin": settings.safety_margin,
         "calibration": dict(used["used"], context_bytes=used["context_bytes"]),
         "budgets": [b.as_record() for b in budgets],
         "tiers": [one for one, _presets, _traces in results],

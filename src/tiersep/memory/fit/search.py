@@ -25,6 +25,7 @@ from .. import accuracy, analytic, calibration
 from ..conditions import Conditions, decide
 from ..constants import GIB, MIB
 from ..estimate import estimate, finish, with_booking
+from .settings import GateSettings
 
 ROUNDS = 4   # trace checks before giving up: each tightens the analytic form to what the trace said
 # A shorter segment's first guess aims this far below the budget: the closed form anchored on the
@@ -100,13 +101,13 @@ class FitSearch:
     """The fit search for one preset on one device, margin and calibration. Traces are kept by
     variant, so asking for several budgets traces each distinct variant once."""
 
-    def __init__(self, preset: dict, device: str = "cuda", safety_margin: float = 0.08,
-                 calibration_spec: str = "auto", estimate_record: dict | None = None):
+    def __init__(self, preset: dict, device: str, settings: GateSettings, estimate_record: dict | None = None):
         """`estimate_record`: the preset's own trace estimate when one was made already (the
         workflow's results/vram/<tier>.json); used instead of tracing it again when it was made for
         this device, calibration, allocator, torch and the preset's settings (`reusable`)."""
-        self.preset, self.device, self.margin, self.spec = preset, device, safety_margin, calibration_spec
-        self.cal = calibration.resolve(calibration_spec) if device == "cuda" else None
+        self.preset, self.device = preset, device
+        self.margin, self.spec = settings.safety_margin, settings.calibration_spec
+        self.cal = calibration.resolve(self.spec) if device == "cuda" else None
         self.traces: dict[str, dict] = {}
         self.numels = analytic.parameter_numels(preset)
         self.conditions = decide(preset, device)          # the preset's; each variant decides its own
@@ -286,11 +287,10 @@ class FitSearch:
             smallest, floor)
 
 
-def fit(preset: dict, budget_bytes: int, device: str = "cuda", safety_margin: float = 0.08,
-        calibration_spec: str = "auto") -> tuple[dict, list[str]]:
+def fit(preset: dict, budget_bytes: int, device: str, settings: GateSettings) -> tuple[dict, list[str]]:
     """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`,
     and the changes made ([] and the preset itself when it fits as is)."""
     if budget_bytes is None or budget_bytes <= 0:
         raise ValueError("fit: a positive budget in bytes is needed")
-    found = FitSearch(preset, device, safety_margin, calibration_spec).fit(budget_bytes)
+    found = FitSearch(preset, device, settings).fit(budget_bytes)
     return found.variant, found.changes
