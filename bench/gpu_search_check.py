@@ -33,7 +33,7 @@ def cuda_init_probe(preset_name: str) -> dict:
     import torch
 
     from tiersep import config as C
-    from tiersep.memory import gate
+    from tiersep.memory import GateSettings, gate
 
     first = {}
     real = torch.cuda._lazy_init
@@ -46,7 +46,7 @@ def cuda_init_probe(preset_name: str) -> dict:
     torch.cuda._lazy_init = spy
     preset = C.load_preset(preset_name, {"presets_dir": str(ROOT / "config" / "presets")})
     began = time.time()
-    record = gate(preset, "cuda", None, 0.08)
+    record = gate(preset, "cuda", None, GateSettings(0.08, "auto"))
     return {"preset": preset_name, "initialised": torch.cuda.is_initialized(), "first_stack": first.get("stack"),
             "gate_seconds": round(time.time() - began, 2), "gate_required_bytes": record["gate_required_bytes"]}
 
