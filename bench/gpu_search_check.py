@@ -10,6 +10,9 @@
 2. search/: a real `tiersep search` of short `small` variants on the GPU, 2 at once under a budget
    that fits two: the study's trials.csv and log, and NVML's device use per process every 0.1 s
    (nvml.jsonl), to set against each trial's booking.
+On an offline GPU machine (../shared/gpu/OFFLINE-GPU.md) carry the project's own wheel in .whl/ too
+(`pip wheel --no-deps -w .whl .`): the search starts `tiersep train` by the command's module, which
+it reads from the installed package's metadata (src/ on PYTHONPATH has none).
 """
 from __future__ import annotations
 

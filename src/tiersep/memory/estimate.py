@@ -171,10 +171,15 @@ def _why_eager(preset: dict, cond: conditions.Conditions) -> str | None:
         return (", checkpointed: the eager step, although the compiled run may need more: the compiled "
                 "trace is not trusted with checkpointing (it predicted 0.56x a real compiled CPU step, "
                 "which took 2.0x the eager peak: bench/results/compiled_estimate_cpu.md)")
-    if cond.device == "cuda" and not accuracy.has_evidence(dict(_planned_class(preset, cond), step="compiled")):
+    compiled_class = dict(_planned_class(preset, cond), step="compiled")
+    if cond.device == "cuda" and not accuracy.trace_checked(compiled_class):
+        under = accuracy.worst_under(compiled_class)
+        checked = ("it is used on CUDA once it is checked against a GPU's compiled step" if under is None else
+                   f"on a GPU it read {under:+.1%} of a compiled step's device use (docs/memory.md), so it is "
+                   f"not booked")
         return (": the eager step, an upper bound of the compiled one where measured (0.63-0.77x on CPU, "
-                "0.74x for MERL's model on an H100); the compiled trace is used on CUDA once it is "
-                "checked against a GPU's compiled step (memory/trace/compiled.py, bench/gpu_evidence.py)")
+                f"0.74x for MERL's model on an H100); the compiled trace: {checked} "
+                "(memory/trace/compiled.py, bench/gpu_evidence.py)")
     return None
 
 

@@ -13,8 +13,6 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-MODULES = ("__init__", "tflocoformer", "stft", "loss")
-
 
 def model_at(rev: str, repo: Path) -> ModuleType:
     """The package src/tiersep/model of `repo` at `rev` (build_model, build_loss); raises
@@ -24,13 +22,19 @@ def model_at(rev: str, repo: Path) -> ModuleType:
         return sys.modules[name]
     folder = Path(tempfile.mkdtemp(prefix="tiersep-model-")) / name
     folder.mkdir()
-    for module in MODULES:
-        path = f"src/tiersep/model/{module}.py"
+    # every module the package had then: its __init__ imports what it had (compile, step, ...)
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:src/tiersep/model"], cwd=repo,
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        raise LookupError(f"git ls-tree {rev}:src/tiersep/model: {listed.stderr.strip()} "
+                          "(this needs the repository's history: clone without --depth)")
+    for module in (m for m in listed.stdout.split() if m.endswith(".py")):
+        path = f"src/tiersep/model/{module}"
         shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True, text=True)
         if shown.returncode != 0:
             raise LookupError(f"git show {rev}:{path}: {shown.stderr.strip()} "
                               "(this needs the repository's history: clone without --depth)")
-        (folder / f"{module}.py").write_text(shown.stdout)
+        (folder / module).write_text(shown.stdout)
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     package = importlib.util.module_from_spec(spec)
