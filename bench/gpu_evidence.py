@@ -317,10 +317,11 @@ def run_colocate(job: dict, folder: Path) -> dict:
 
     # The booking is the search's (the gate's figure), made in a process of its own: a cuda trace
     # may start CUDA, and a trial must book before CUDA starts (gpu_lease refuses it after).
-    done = subprocess.run([sys.executable, __file__, "--booking", json.dumps(job)], capture_output=True,
-                          text=True, cwd=ROOT, check=True)
-    job = dict(job, booked=json.loads(done.stdout.strip().splitlines()[-1]))
-    report = {"preset": job["preset"], "dry_run": job["dry_run"], "commit": job["commit"], "booked": job["booked"]}
+    if not job["dry_run"]:     # a CPU dry run books nothing
+        done = subprocess.run([sys.executable, __file__, "--booking", json.dumps(job)], capture_output=True,
+                              text=True, cwd=ROOT, check=True)
+        job = dict(job, booked=json.loads(done.stdout.strip().splitlines()[-1]))
+    report = {"preset": job["preset"], "dry_run": job["dry_run"], "commit": job["commit"], "booked": job.get("booked")}
     began = time.time()
     in_a_row = {}
     for name in ("a", "b"):
