@@ -188,13 +188,22 @@ def test_memory_left_above_baseline_after_a_trial_blocks_the_next_booking_naming
     assert json.loads((machine["dir"] / "next.json").read_text())["waited"] >= 1.0
 
 
+TRIALS = 12
+
+
 @pytest.mark.slow
-def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machine, tmp_path):
+def test_the_post_mortems_trials_in_a_row_on_one_gpu_with_hyperband(machine, tmp_path):
     """The post-mortem behind this project: 30 trials in a row on one GPU with hyperband, 29 of which
     ended in CUDA OOM. Here: a real `tiersep search` (real Optuna, real `tiersep train` processes, on
     the CPU) on one fake 2.5 GiB GPU, 3 trials asked at once, each booked by its CUDA estimate.
     Every trial ends COMPLETE, PRUNED or INFEASIBLE, none FAIL or runs out of memory, two share the
-    GPU while a third waits for its booking, and the GPU's bookings never exceed its memory."""
+    GPU while a third waits for its booking, and the GPU's bookings never exceed its memory.
+
+    12 trials, not the post-mortem's 30 (docs/search.md records two 30-trial runs, 201 s and 385 s):
+    what is checked is per trial (its state, its exit code, its CUDA booking) or happens in the first
+    wave (two trials share the GPU while the third waits; seed 1 samples batch 8, infeasible, as trial
+    1). 12 is TPE's 10 random start-up trials and 2 it samples itself, so both of its branches run;
+    the other 18 trials only repeated these checks, at about 7 s each."""
     import yaml
 
     from test_search_support import base_preset, budget_between, env, search_workspace, trials_csv, write_search_config
@@ -216,7 +225,7 @@ def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machi
     # two bookings fit the 2.5 GiB GPU together, three do not
     budget = budget_between(cuda_booking(2), cuda_booking(8))
     assert 2 * cuda_booking(2) / 0.92 < 2.5 * GIB < 3 * cuda_booking(1) / 0.92
-    config = write_search_config(ws, "postmortem", trials=30, parallel=3, pruner="hyperband", budget_gib=budget,
+    config = write_search_config(ws, "postmortem", trials=TRIALS, parallel=3, pruner="hyperband", budget_gib=budget,
                                  on_oversize="skip", poll_seconds=0.2, seed=1, space={
                                      "train.batch_size": {"choices": [1, 2, 8]},
                                      "train.lr": {"low": 1.0e-6, "high": 1.0e-2, "log": True}})
@@ -230,8 +239,8 @@ def test_the_post_mortems_thirty_trials_in_a_row_on_one_gpu_with_hyperband(machi
     folder = ws["root"] / "results-postmortem" / "search" / "search"
     rows = trials_csv(folder)
     states = [r["state"] for r in rows]
-    print(f"30 trials in {seconds:.0f} s: " + ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))))
-    assert len(rows) == 30 and set(states) <= {"COMPLETE", "PRUNED", "INFEASIBLE"}, states
+    print(f"{TRIALS} trials in {seconds:.0f} s: " + ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))))
+    assert len(rows) == TRIALS and set(states) <= {"COMPLETE", "PRUNED", "INFEASIBLE"}, states
     assert "INFEASIBLE" in states and "COMPLETE" in states
     assert "OOM" not in done.stderr and "out of memory" not in done.stderr
     from test_search_support import load_study
