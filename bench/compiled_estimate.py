@@ -7,8 +7,8 @@ estimate, the compiled estimate without fusion (the partitioned graphs alone) an
 The real peak is read from torch's profiler: with profile_memory=True, c10's CPU allocator reports
 every allocation and free, including the buffers of inductor's generated code, which no dispatch
 mode sees. Peak = the bytes live before the step (weights, AdamW state, inputs) + the highest
-running sum of the step's allocations and frees. For the eager step it agrees with the measure
-method's StorageTracker count (the first row checks it).
+running sum of the step's allocations and frees (tests/memory_reference.py). For the eager step
+it agrees with the measure method's StorageTracker count (the first row checks it).
 
     .venv/bin/python bench/compiled_estimate.py            # the table (a few minutes on 2 cores)
 """
@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from memory_reference import profiled_peak, storage_bytes  # noqa: E402
 from test_train_support import tiny_preset  # noqa: E402
 
 from tiersep.memory.trace import compiled as compiled_trace  # noqa: E402
@@ -45,15 +46,6 @@ CASES = {
 }
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for x in tensors:
-        if x is not None:
-            storage = x.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def measure_peak(preset: dict, compiled: bool) -> tuple[int, float]:
     """(peak live tensor bytes of one real CPU training step, seconds the first step took: the
     compile, when compiled). The first step compiles; the second is measured."""
@@ -66,16 +58,9 @@ def measure_peak(preset: dict, compiled: bool) -> tuple[int, float]:
     # no tensor made before profiling may be freed while profiling (the profiler cannot size it)
     work.optimizer.zero_grad(set_to_none=True)
     gc.collect()
-    before = _storage_bytes(list(work.model.parameters()) + list(work.model.buffers())
-                            + work.optimizer_state() + [x for pair in work.inputs for x in pair])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        train_step(model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu")
-    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in changes:
-        live += nbytes
-        peak = max(peak, live)
+    before = storage_bytes(list(work.model.parameters()) + list(work.model.buffers())
+                           + work.optimizer_state() + [x for pair in work.inputs for x in pair])
+    peak = profiled_peak(lambda: train_step(model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu"))
     return before + peak, first
 
 

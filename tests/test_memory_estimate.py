@@ -1,10 +1,12 @@
-"""estimate(), the 80.89 GiB check, trace against real CPU steps, the xlarge RAM check, analytic."""
+"""estimate(), the 80.89 GiB check, trace against real CPU steps (a dispatch check, and the allocator's
+own events and RSS as the independent reference), the xlarge RAM check, analytic."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -106,17 +108,70 @@ def test_xlarge_traces_with_little_ram():
     assert result["rss"] < 2.5 * GIB
 
 
-@pytest.mark.parametrize("fields", [
+STEPS = [
     {},                                                                     # fp32, flash (CPU, no dropout)
     {"model__dropout": 0.1, "train__precision": "bf16"},                    # math SDPA, CPU autocast
     {"model__checkpointing": True, "model__dropout": 0.1, "train__grad_accum": 2},
-])
-def test_cpu_trace_matches_a_real_step(fields):
+]
+
+
+@pytest.mark.parametrize("fields", STEPS)
+def test_cpu_trace_dispatch_check_against_a_tracked_real_step(fields):
+    """A dispatch check, not an accuracy figure: `measure` counts the real step with the same
+    StorageTracker and Timeline.replay() as the trace, so this catches only a difference between
+    fake and real dispatch. The accuracy reference is the allocator's (the test below)."""
     preset = tiny(**fields)
     traced = trace_step(preset, "cpu")
     measured = measure_step(preset, "cpu")
     assert traced.allocated_peak == pytest.approx(measured.allocated_peak, rel=0.03)
     assert traced.largest_allocation == measured.largest_allocation
+
+
+@pytest.fixture(scope="module")
+def allocator_reference(tmp_path_factory):
+    """STEPS measured in one fresh process by tests/cpu_step_reference.py: the CPU allocator's own
+    peak (torch.profiler, profile_memory) and the RSS growth of a step (tuned malloc)."""
+    presets = tmp_path_factory.mktemp("steps") / "presets.json"
+    presets.write_text(json.dumps([tiny(**fields) for fields in STEPS]))
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "cpu_step_reference.py"), str(presets)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.strip().splitlines()]
+
+
+# Measured 2026-11-26 (torch 2.11, 2 shared cores), ten fresh processes: the profiler's peak is the same
+# to the byte in every one (41957560, 64075352, 76846700 B), so the spread is 0 and the tolerance is
+# what the trace's 64-byte rounding adds (it counts c10's aligned blocks, the profiler the bytes
+# asked for): the trace reads +0.0072% and +0.0048%; allowed 0 to +0.01%.
+# The checkpointed step is a known miss, -1.52% (the trace, and the tracker: 75678848 / 75678912):
+# checkpointing moves the peak into the recomputation's backward, where kernels allocate below the
+# dispatcher, which no dispatch mode sees (likely cause, not yet pinned down: the profiler's peak holds
+# 1.6 MB that aten::convolution_backward makes with its own aten::empty). Asserted at its measured value, so a fix or a worse
+# miss both fail here and must be stated.
+PROFILER_TOLERANCE = 1e-4
+KNOWN_MISS = {2: -0.0152}
+# RSS growth of the measured step / the trace's live bytes above the resident ones, in four fresh
+# processes: 0.797-0.827, 0.862-0.866, 0.874-0.914. Below 1: allocations under 64 KiB come from heap
+# pages the earlier steps left resident, a larger share of the smaller steps. Allowed: the measured
+# range widened by 0.02 each side, so a trace 10% off either way falls outside it for every step.
+RSS_FACTOR = {0: (0.777, 0.847), 1: (0.842, 0.886), 2: (0.854, 0.934)}
+
+
+@pytest.mark.parametrize("case", range(len(STEPS)))
+def test_cpu_trace_against_the_allocators_own_events_and_rss(allocator_reference, case):
+    preset = tiny(**STEPS[case])
+    estimated = trace_step(preset, "cpu").allocated_peak
+    measured = allocator_reference[case]
+    error = estimated / measured["profiled_peak_bytes"] - 1
+    growth = measured["rss_growth_bytes"] / (estimated - measured["resident_bytes"])
+    print(f"{STEPS[case]}: trace {estimated} B, profiler {measured['profiled_peak_bytes']} B ({error:+.4%}); "
+          f"RSS growth {measured['rss_growth_bytes']} B = {growth:.3f} x the trace's step bytes")
+    if case in KNOWN_MISS:
+        assert error == pytest.approx(KNOWN_MISS[case], abs=PROFILER_TOLERANCE)
+    else:
+        assert 0 <= error <= PROFILER_TOLERANCE
+    low, high = RSS_FACTOR[case]
+    assert low <= growth <= high
 
 
 @pytest.mark.parametrize("name,device", [("cpu_tiny", "cpu"), ("small", "cuda"), ("cpu_small", "cuda")])

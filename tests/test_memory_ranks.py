@@ -97,7 +97,16 @@ RUNS = [{}, WIDE, {**WIDE, "train.grad_accum": 2}]
 # Measured (2026-11-25, torch 2.11, both ranks): each rank's peak of live tensor bytes over its third
 # step is the estimate +64, +0 and +64 bytes: one 8-byte CPU scalar (DDP divides by the world size
 # with mul_out(bucket_view, grad, wrapped_scalar)) that the trace does not make. Allowed: 1 KiB.
+# That count is the tracker's, the trace's own counter on real tensors: a dispatch check.
 TOLERANCE_BYTES = 1024
+# The independent reference: the CPU allocator's own running sum (torch.profiler, profile_memory, from
+# before the workload is built; tests/memory_reference.py), its peak over the same third step.
+# Measured 2026-11-26 (torch 2.11), both ranks and two runs alike to the byte (spread 0; WIDE alone in
+# a process reads the same): the estimate is +2724 B (+0.003%: the trace's 64-byte block rounding) for
+# cpu_tiny, and -1.18% and -1.34% (2.86 and 3.45 MB) for WIDE and WIDE with accumulation, a real miss:
+# the allocator serves bytes in the rank's backward that no dispatch mode sees (not pinned down).
+# Asserted at the measured values +-0.01%, so a fix or a worse miss both fail here and must be stated.
+ALLOCATOR_ERROR = [0.00003, -0.0118, -0.0134]
 
 
 def _variant(sets: dict) -> dict:
@@ -115,7 +124,7 @@ def two_ranks():
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "ddp_rank_memory.py"), json.dumps(RUNS)],
                               cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [p.communicate(timeout=400) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
@@ -123,6 +132,7 @@ def two_ranks():
 
 @pytest.mark.parametrize("run", range(len(RUNS)))
 def test_a_real_two_rank_gloo_run_peaks_where_the_rank_estimate_says(two_ranks, run):
+    """Per rank: the tracker's count (a dispatch check) and the allocator's own events."""
     preset = _variant(RUNS[run])
     record = estimate(preset, "trace", "cpu")
     single = estimate(C.set_field(preset, "train.ranks", 1), "trace", "cpu")
@@ -137,6 +147,9 @@ def test_a_real_two_rank_gloo_run_peaks_where_the_rank_estimate_says(two_ranks, 
         print(f"run {run} rank {rank}: measured {measured['peak_bytes']} estimated {record['peak_bytes']} "
               f"({error:+d} B, {error / measured['peak_bytes']:+.2e})")
         assert 0 <= error <= TOLERANCE_BYTES
+        against_allocator = record["peak_bytes"] / measured["allocator_peak_bytes"] - 1
+        print(f"run {run} rank {rank}: allocator {measured['allocator_peak_bytes']} ({against_allocator:+.4%})")
+        assert against_allocator == pytest.approx(ALLOCATOR_ERROR[run], abs=1e-4)
     if RUNS[run]:
         # the tolerance tells the models apart: buckets beside one process's gradients (no move into
         # the buckets) would be 0.6 MB over the real peak

@@ -1,6 +1,7 @@
 """The pieces of `tiersep separate` that bound its memory, against their whole-track references:
 streamed overlap-add == evaluate's separate(), streamed resampling == prepare's torchaudio
-resampling, the inference trace == the live bytes of a real model call, and the plan."""
+resampling, the inference trace against a real model call (a dispatch check, and the allocator's own
+events), and the plan."""
 from __future__ import annotations
 
 import subprocess
@@ -116,18 +117,55 @@ def test_streamed_resampling_equals_prepares_whole_track_resampling(orig, new):
     torch.testing.assert_close(streamed, whole, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name,chunk,batch", [("cpu_tiny", 8000, 1), ("cpu_small", 20000, 3)])
-def test_inference_trace_counts_the_live_bytes_of_a_real_model_call(name, chunk, batch):
+INFERENCE_CALLS = [("cpu_tiny", 8000, 1), ("cpu_small", 20000, 3)]
+
+
+def model_call(preset: dict, chunk: int, batch: int):
+    """(the real model, the model call of separate on one batch of chunks)."""
+    model = build_model(preset).eval()
+
+    def call():
+        with torch.inference_mode():
+            pieces = torch.empty(batch, 2, chunk)
+            estimates = model(pieces)
+            del pieces, estimates
+    return model, call
+
+
+@pytest.mark.parametrize("name,chunk,batch", INFERENCE_CALLS)
+def test_inference_trace_dispatch_check_against_a_tracked_model_call(name, chunk, batch):
+    """A dispatch check, not an accuracy figure: the same StorageTracker as the trace, on real
+    tensors. The accuracy reference is the allocator's (the test below)."""
     preset = C.load_preset(name)
     traced = trace_inference(preset, "cpu", chunk, batch)
-    model = build_model(preset).eval()
+    model, call = model_call(preset, chunk, batch)
     tracker = StorageTracker(cpu_block_bytes)
     tracker.register(list(model.parameters()) + list(model.buffers()))
-    with tracker, torch.inference_mode():
-        pieces = torch.empty(batch, 2, chunk)
-        estimates = model(pieces)
-        del pieces, estimates
+    with tracker:
+        call()
     assert abs(traced.allocated_peak - tracker.peak_bytes) <= 1024       # bytes, of tens of MB
+
+
+# The CPU allocator's own peak (torch.profiler, profile_memory; tests/memory_reference.py) over the
+# model call, plus the weights. Measured 2026-11-26 (torch 2.11): the same to the byte in three calls
+# (spread 0): 7966328 and 89494496 B. The inference trace reads -7.25% and -11.30%, a real miss the
+# dispatch check cannot see: at the allocator's peak, inside the decoder's conv_transpose1d,
+# aten::_convolution allocates 28 MB of its own (cpu_small) below the dispatcher. Asserted at the
+# measured values +-0.01%, so a fix or a worse miss both fail here and must be stated.
+INFERENCE_MISS = {"cpu_tiny": -0.0725, "cpu_small": -0.1130}
+
+
+@pytest.mark.parametrize("name,chunk,batch", INFERENCE_CALLS)
+def test_inference_trace_against_the_allocators_own_events(name, chunk, batch):
+    from memory_reference import profiled_peak, storage_bytes
+
+    preset = C.load_preset(name)
+    traced = trace_inference(preset, "cpu", chunk, batch).allocated_peak
+    model, call = model_call(preset, chunk, batch)
+    measured = storage_bytes(list(model.parameters()) + list(model.buffers())) + profiled_peak(call)
+    error = traced / measured - 1
+    print(f"{name}: trace {traced} B, allocator {measured} B ({error:+.4%})")
+    assert error == pytest.approx(INFERENCE_MISS[name], abs=1e-4)
 
 
 def test_inference_trace_of_cuda_replays_the_allocator():
