@@ -377,17 +377,6 @@ def test_an_output_folder_of_someone_else_is_refused(ws, songs, tmp_path):
     assert sorted(os.listdir(out)) == ["thesis.tex"]
 
 
-def test_a_second_run_into_the_same_folder_exits_5(ws, songs, tmp_path):
-    from tiersep.outputs import claim, exclusive
-
-    out = claim(tmp_path / "out", "separate")
-    with exclusive(out):                        # a first run holding the folder (a real flock)
-        proc = run(ws, str(songs / "short.wav"), "--out", str(out))
-    assert proc.returncode == 5
-    assert re.search(rf"--out \S+/out: in use by pid {os.getpid()} on ", last_line(proc))
-    assert not (out / "short").exists()
-
-
 def test_a_killed_run_leaves_no_stem_and_the_next_run_cleans_up(ws, tmp_path):
     long_song = tmp_path / "long.wav"
     sf.write(long_song, np.random.default_rng(0).standard_normal((8000 * 120, 2)).astype(np.float32) * 0.1, 8000)

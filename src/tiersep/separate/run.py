@@ -10,7 +10,10 @@ song is reported and the others go on; the command then exits 2 naming the failu
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import os
 import string
 import sys
 import time
@@ -25,12 +28,12 @@ from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
-from tiersep.outputs import check, claim, exclusive
+from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, refuse_if_busy
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
 from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
 from .song import StreamSettings, complement_name, separate_song
-from .stems import SongFiles
+from .stems import SongFiles, disk_bytes
 
 TEMPLATE_FIELDS = ("song", "songext", "stem", "ext")
 SIDECAR = {"stem": "separate", "ext": "json"}     # the sidecar's path: the template with these
@@ -122,8 +125,11 @@ def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Modu
 def separate(cfg: dict, opts: Options) -> dict:
     """Separate every song of opts.inputs into opts.out (see module docstring); returns the summary."""
     check_options(opts)
+    check_inputs_outside_out(opts)
     songs = find_songs(opts.inputs, skip=opts.out)
     check(opts.out, "separate")                        # a refused folder before any work
+    check_writable(opts.out)
+    refuse_if_busy(opts.out, inside=True)              # a second writer stops before the model loads
     model, preset, step = load_separator(opts.model, opts.preset)
     sources = list(preset["model"]["sources"])
     if opts.stems is not None and opts.stems not in sources:
@@ -146,8 +152,13 @@ def separate(cfg: dict, opts: Options) -> dict:
 
     probe_ = MemoryProbe(device)
     records = []
-    out = claim(opts.out, "separate")
-    with exclusive(out), tqdm(total=len(infos), desc=f"separate {preset['name']}", unit="song") as overall:
+    with contextlib.ExitStack() as held:
+        try:
+            out = claim(opts.out, "separate")
+            held.enter_context(exclusive(out, inside=True))   # inside: --out's parent need not be writable
+        except OSError as err:
+            raise OutputRefused(f"--out {opts.out}: cannot write it ({_os_error(err)})") from None
+        overall = held.enter_context(tqdm(total=len(infos), desc=f"separate {preset['name']}", unit="song"))
         for song, info in infos.items():
             try:
                 records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
@@ -164,6 +175,17 @@ def separate(cfg: dict, opts: Options) -> dict:
     return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
 
 
+def check_inputs_outside_out(opts: Options) -> None:
+    """An INPUT folder that is --out, or inside it, is refused: stems are never songs."""
+    out = os.path.realpath(opts.out)
+    for given in opts.inputs:
+        where = os.path.realpath(Path(given).expanduser())
+        if Path(given).expanduser().is_dir() and (where == out or where.startswith(out.rstrip(os.sep) + os.sep)):
+            inside = "is" if where == out else "is inside"
+            raise ConfigError(f"--out {opts.out}: the INPUT folder {given} {inside} it; give the stems a folder "
+                              "of their own (it may be inside the INPUT folder)")
+
+
 def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[dict, dict, dict]:
     """(song -> AudioInfo, song -> {stem: final path, SIDECAR_KEY: path}, song -> failure) for the
     songs ffmpeg can read and whose output paths no earlier song has taken."""
@@ -177,8 +199,13 @@ def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[di
             continue
         name = song_name(song)
         suffix = song.name[len(name):].lstrip(".")
-        wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, opts.format) for stem in names}
-        wanted[SIDECAR_KEY] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
+        try:
+            wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, opts.format) for stem in names}
+            wanted[SIDECAR_KEY] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
+        except ConfigError as err:                 # a name such as '...mp3': this song alone fails
+            failures[song] = f"{song}: its name cannot make an output path ({err}); rename the file"
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+            continue
         clash = next((owners[p] for p in wanted.values() if p in owners), None)
         if clash is not None:
             failures[song] = f"{song}: its outputs are those of {clash} too (--filename {opts.filename!r}); rename one"
@@ -237,6 +264,7 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
 
     began = time.perf_counter()
     sidecar = paths.pop(SIDECAR_KEY)
+    check_song_space(info, paths, opts)
     files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip)
     label = song_name(info.path)
     try:
@@ -281,6 +309,24 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
     return record
 
 
+def check_song_space(info, paths: dict, opts: Options) -> None:
+    """Refuse this song (SongError, one line) when its stems would not fit on --out's disk, as
+    `prepare` refuses a set. A song whose file declares no duration is not checked (a full disk
+    then fails it half-way, leaving no file)."""
+    from tiersep.data.errors import DataError
+    from tiersep.data.prepare import check_free_space
+
+    if info.seconds is None:
+        return
+    frames = int(info.seconds * info.rate) + 1
+    need = disk_bytes(len(paths), frames, info.channels, info.rate, opts.format, opts.bits, opts.clip)
+    try:
+        check_free_space(next(iter(paths.values())), need, what=f"writing its {len(paths)} stems",
+                         label=str(info.path))
+    except DataError as err:
+        raise SongError(str(err)) from None
+
+
 def _summary(record: dict, folder: Path) -> str:
     mem = record["memory"]
     lines = [f"{record['song']}: {record['seconds']:.1f} s in {record['seconds_taken']:.1f} s "
@@ -300,8 +346,16 @@ def _summary(record: dict, folder: Path) -> str:
 def _song_failure(err: BaseException, song: Path) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
-        text = f"{err.filename}: {err.strerror or text}"
+        text = f"{err.filename}: {_os_error(err)}"
     return text if str(song) in text else f"{song}: {text}"
+
+
+def _os_error(err: OSError) -> str:
+    """An OSError in words; a full disk named as such (its folder and what is free there)."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = Path(err.filename).parent if err.filename else None
+        return f"no space left on {where}" if where else "no space left on the device"
+    return err.strerror or str(err)
 
 
 def _failed(failures: dict, total: int) -> SongsFailed:
