@@ -162,3 +162,61 @@ def test_a_second_writer_is_refused_at_once_naming_the_whole_command(ws, songs, 
     assert re.search(rf"--out \S+/out: in use by pid {os.getpid()} on .*: {re.escape(' '.join(command))}\); wait for "
                      r"it to finish \(the lock is \S+/out/\.tiersep\.lock", line), line
     assert MODEL_LOADED not in proc.stderr and everything(out) == []
+
+
+# ------------------------------------------------------------------------------ names and reruns
+def test_a_file_name_that_makes_no_output_path_fails_that_song_alone(ws, songs, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "...mp3").write_bytes((songs / "nested" / "mono 22k.mp3").read_bytes())   # its song name: '..'
+    (folder / "good.wav").write_bytes((songs / "short.wav").read_bytes())
+    out = tmp_path / "out"
+    proc = cli(ws, str(folder / "...mp3"), str(folder / "good.wav"), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"error: 1 of 2 songs failed: \S+/in/\.\.\.mp3: its name cannot make an output path "
+                     r"\(--filename '\{song\}/\{stem\}\.\{ext\}': gives '\.\./vocals\.wav', which is not a path inside --out\); rename the file$", last_line(proc))
+    assert (out / "good" / "vocals.wav").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["in", "out"] and sorted(os.listdir(folder)) == ["...mp3", "good.wav"]
+
+
+def test_an_input_folder_that_is_the_output_folder_is_refused_naming_out(ws, songs, tmp_path):
+    music = tmp_path / "music"
+    music.mkdir()
+    (music / "a.wav").write_bytes((songs / "short.wav").read_bytes())
+    for out in (music, music / ".." / "music"):
+        proc = cli(ws, str(music), "--out", str(out))
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.fullmatch(rf"tiersep separate: error: --out {re.escape(str(out))}: the INPUT folder "
+                            rf"{re.escape(str(music))} is it; give the stems a folder of their own \(it may be "
+                            r"inside the INPUT folder\)", last_line(proc))
+    proc = cli(ws, str(music / "sub"), "--out", str(music))          # an input inside --out: refused too
+    assert proc.returncode == 2 and "INPUT" in last_line(proc)
+    assert sorted(os.listdir(music)) == ["a.wav"]
+
+
+def test_a_rerun_with_other_stems_leaves_the_folder_matching_its_sidecar(ws, songs, tmp_path):
+    out = tmp_path / "out"
+    song = songs / "short.wav"
+    assert run(ws, str(song), "--out", str(out)).returncode == 0
+    (out / "short" / "my notes.txt").write_text("mine")                  # the user's: never removed
+    proc = run(ws, str(song), "--out", str(out), "--stems", "vocals")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = sidecar(out, "short")
+    assert sorted(os.listdir(out / "short")) == ["my notes.txt", "no_vocals.wav", "separate.json", "vocals.wav"]
+    assert record["stems"] == {"vocals": str(out / "short" / "vocals.wav"),
+                               "no_vocals": str(out / "short" / "no_vocals.wav")}
+    assert record["input"] == str(song) and record["model"] == str(ws["model"])
+    assert all(os.path.isabs(p) for p in (record["input"], record["model"], *record["stems"].values()))
+    # and back to every stem: no_vocals goes, as the new sidecar lists only the four
+    assert run(ws, str(song), "--out", str(out)).returncode == 0
+    assert sorted(os.listdir(out / "short")) == ["bass.wav", "drums.wav", "my notes.txt", "other.wav",
+                                                  "separate.json", "vocals.wav"]
+
+
+def test_stems_follow_the_umask(ws, songs, tmp_path):
+    out = tmp_path / "out"
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        proc = cli(ws, str(songs / "short.wav"), "--out", str(out / oct(mask)), preexec=lambda m=mask: os.umask(m))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for path in (out / oct(mask) / "short").iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == mode, (path, oct(path.stat().st_mode))

@@ -282,10 +282,10 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
     taken = time.perf_counter() - began
     measured = probe_.peaks()[1] if plan.device.type == "cpu" else probe_.record()["peak_device_bytes"]
     record = {
-        "song": label, "input": str(info.path), "codec": info.codec, "sample_rate": info.rate,
+        "song": label, "input": os.path.abspath(info.path), "codec": info.codec, "sample_rate": info.rate,
         "channels": info.channels, "seconds": result["seconds"],
-        "model": str(opts.model), "tier": preset["name"], "preset": preset, "step": step,
-        "stems": {stem: str(path.relative_to(opts.out)) for stem, path in paths.items()},
+        "model": os.path.abspath(opts.model), "tier": preset["name"], "preset": preset, "step": step,
+        "stems": {stem: os.path.abspath(path) for stem, path in paths.items()},
         "settings": {"stems": opts.stems, "format": opts.format, "bits": opts.bits, "clip": opts.clip,
                      "overlap": opts.overlap, "shifts": opts.shifts, "seed": opts.seed,
                      "filename": opts.filename, "device": plan.device.type, "precision": preset["train"]["precision"]},
@@ -304,9 +304,36 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
         "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
         "versions": versions(),
     }
+    remove_replaced_stems(sidecar, paths, opts.out)
     write_json(sidecar, record)
     tqdm.write(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
     return record
+
+
+def remove_replaced_stems(sidecar: Path, paths: dict, out: Path) -> list[Path]:
+    """Remove the stems an earlier run of this song wrote that this run did not (another --stems):
+    only files its sidecar lists, inside --out, so the folder matches the new sidecar. Nothing
+    else is ever removed."""
+    from tiersep.io import read_json
+
+    try:
+        earlier = read_json(sidecar).get("stems")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(earlier, dict):
+        return []
+    inside = os.path.realpath(out) + os.sep
+    keep = {os.path.realpath(p) for p in paths.values()}
+    removed = []
+    for listed in earlier.values():
+        if not isinstance(listed, str):
+            continue
+        path = Path(listed) if os.path.isabs(listed) else out / listed   # relative: sidecars before 0.x
+        real = os.path.realpath(path)
+        if real.startswith(inside) and real not in keep and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def check_song_space(info, paths: dict, opts: Options) -> None:
