@@ -135,7 +135,7 @@ def test_every_format_rate_and_channel_count(ws, songs, tmp_path):
         assert record["chunk_samples"] == 16000 and record["batch"] in (1, 2)
         assert record["tier"] == TINY_PRESET["name"] and record["sample_rate"] == rate
         memory = record["memory"]
-        assert 0 < memory["measured_peak_bytes"] <= memory["estimated_bytes"] < memory["budget_bytes"]
+        assert 0 < memory["measured_peak_bytes"] <= memory["booked_bytes"] < memory["budget_bytes"]
         assert record["real_time_factor"] > 0 and record["settings"]["clip"] == "rescale"
     assert not temporaries(out)
 

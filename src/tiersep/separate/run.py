@@ -21,23 +21,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tiersep import config as C
 from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
+from tiersep.report.units import format_bytes
 from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, refuse_if_busy
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
 from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
+from .progress import SongProgress
 from .song import StreamSettings, complement_name, separate_song
 from .stems import SongFiles, disk_bytes
 
 TEMPLATE_FIELDS = ("song", "songext", "stem", "ext")
 SIDECAR = {"stem": "separate", "ext": "json"}     # the sidecar's path: the template with these
 SIDECAR_KEY = "<sidecar>"                          # its entry among a song's output paths
+BAND_NOTE_SHARE = 1e-4      # a band above the model's with this share of the energy (-40 dB) is noted
 
 
 class SongsFailed(ConfigError):
@@ -144,8 +146,9 @@ def separate(cfg: dict, opts: Options) -> dict:
     malloc = _apply_malloc(plan)
     model = model.to(device)
     print(f"tiersep separate: {preset['name']} on {device.type}: chunk {plan.chunk_samples / rate:g} s x batch "
-          f"{plan.batch}, estimated peak {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB within "
-          f"{plan.budget_bytes / GIB:.2f} GiB ({plan.budget_source})", file=sys.stderr)
+          f"{plan.batch}, booked {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB (predicted peak "
+          f"{format_bytes(plan.estimate['peak_bytes'])}) within {plan.budget_bytes / GIB:.2f} GiB "
+          f"({plan.budget_source})", file=sys.stderr)
     settings = StreamSettings(plan.chunk_samples, plan.batch, opts.overlap, preset["train"]["precision"],
                               opts.shifts, opts.seed, BLOCK_FRAMES)
     from tiersep.probe import MemoryProbe
@@ -158,18 +161,16 @@ def separate(cfg: dict, opts: Options) -> dict:
             held.enter_context(exclusive(out, inside=True))   # inside: --out's parent need not be writable
         except OSError as err:
             raise OutputRefused(f"--out {opts.out}: cannot write it ({_os_error(err)})") from None
-        overall = held.enter_context(tqdm(total=len(infos), desc=f"separate {preset['name']}", unit="song"))
-        for song, info in infos.items():
+        for number, (song, info) in enumerate(infos.items(), 1):
             try:
                 records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
-                                         malloc))
+                                         malloc, f"[{number}/{len(infos)}] {song_name(info.path)}"))
             except (SongError, OSError) as err:
                 failures[song] = _song_failure(err, song)
-                tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+                print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
             except torch.OutOfMemoryError as err:
                 failures[song] = f"{song}: out of memory on {device} ({_song_failure(err, song)[:160]})"
-                tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
-            overall.update(1)
+                print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
     if failures:
         raise _failed(failures, len(songs))
     return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
@@ -237,7 +238,8 @@ def separation_request(opts: Options, preset: dict, infos: dict) -> SeparationRe
         min_chunk=max(n_fft, int(round(opts.min_chunk_seconds * rate))),
         max_batch=opts.max_batch, overlap=opts.overlap, shifts=opts.shifts,
         longest_samples=int(max(seconds) * rate) + 1 if None not in seconds else 10**12,
-        rate_ratio=_rate_ratio(infos, rate), two_stem=opts.stems is not None)
+        rate_ratio=_rate_ratio(infos, rate), two_stem=opts.stems is not None,
+        above_band=any(i.rate > rate for i in infos.values()))
 
 
 def _rate_ratio(infos: dict, rate: int) -> float:
@@ -258,7 +260,7 @@ def _apply_malloc(plan) -> dict | None:
     return {"mode": booked["malloc"], "applied": False, "reason": "glibc's own malloc: its booking fits the budget"}
 
 
-def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc) -> dict:
+def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc, title) -> dict:
     from tiersep.io import write_json
     from tiersep.probe import versions
 
@@ -268,13 +270,9 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
     files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip)
     label = song_name(info.path)
     try:
-        with tqdm(total=info.seconds, desc=label[:30], unit="s", leave=False,
-                  bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]") as bar:
-            def advance(seconds):   # the declared duration may be a little short of the decoded one
-                bar.update(min(seconds, bar.total - bar.n) if bar.total else seconds)
-
+        with SongProgress(title, info.seconds, info.rate) as progress:
             result = separate_song(model, preset, info, files, settings, plan.device, opts.stems,
-                                   on_seconds=advance, on_block=probe_.sample)
+                                   on_frames=progress.advance, on_block=probe_.sample)
         clipping = files.commit()
     except BaseException:
         files.abort()
@@ -292,21 +290,24 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
         "chunk_samples": plan.chunk_samples, "chunk_seconds": plan.chunk_samples / preset["audio"]["sample_rate"],
         "batch": plan.batch, "gpu_lease": gpu_lease_record(),
         "memory": {"budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
-                   "estimated_bytes": plan.estimate["gate_required_bytes"],
-                   "estimated_peak_bytes": plan.estimate["peak_bytes"],
-                   "estimate": "the process's peak RSS (live tensors booked as the CPU gate books)"
-                   if plan.device.type == "cpu" else "device use (allocator reserved peak + CUDA context)",
+                   "booked_bytes": plan.estimate["gate_required_bytes"],
+                   "booked": "the process's peak RSS, booked as the CPU gate books it (allowance + a factor "
+                   "x the live tensors + the stream's buffers)" if plan.device.type == "cpu"
+                   else "device use (allocator reserved peak + CUDA context) x (1 + uncertainty)",
+                   "predicted_peak_bytes": plan.estimate["peak_bytes"],
+                   "predicted_peak": "the live tensor bytes of one model call" if plan.device.type == "cpu"
+                   else "device use (allocator reserved peak + CUDA context)",
                    "measured_peak_bytes": int(measured),
                    "measured": "this process's peak RSS so far (VmHWM)" if plan.device.type == "cpu"
                    else "this process's device use so far (NVML/cudaMemGetInfo)",
                    "malloc": malloc, "tried": plan.tried},
-        "clipping": clipping, "notes": result["notes"],
+        "band": result["band"], "clipping": clipping, "notes": result["notes"],
         "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
         "versions": versions(),
     }
     remove_replaced_stems(sidecar, paths, opts.out)
     write_json(sidecar, record)
-    tqdm.write(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
+    print(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
     return record
 
 
@@ -366,6 +367,11 @@ def _summary(record: dict, folder: Path) -> str:
                   "clamp": "clamped to full scale", "none": "written as computed"}[record["clipping"]["mode"]]
         lines.append(f"  note: {len(clipped)} stem(s) went beyond full scale (peak {clipped[worst]['peak']:.2f} in "
                      f"{worst}): {action}")
+    band = record["band"]
+    if band["above_band_energy_share"] >= BAND_NOTE_SHARE:
+        lines.append(f"  note: {100 * band['above_band_energy_share']:.2f}% of the song's energy is above the model's "
+                     f"band ({band['model_band_hz']:g} Hz), which it cannot separate: kept in {band['kept_in']}, so "
+                     "the stems hold the whole band")
     lines += [f"  note: {note}" for note in record["notes"]]
     return "\n".join(lines)
 
