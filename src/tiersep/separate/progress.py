@@ -33,7 +33,7 @@ class SongProgress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, desc=self.label[:40], unit="s", leave=False, file=self.stream,
-                            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s written [{elapsed}<{remaining}]")
+                            bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s written [{elapsed}<{remaining}]")
         return self
 
     def advance(self, frames: int) -> None:
