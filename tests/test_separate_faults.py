@@ -220,3 +220,36 @@ def test_stems_follow_the_umask(ws, songs, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         for path in (out / oct(mask) / "short").iterdir():
             assert stat.S_IMODE(path.stat().st_mode) == mode, (path, oct(path.stat().st_mode))
+
+
+def test_a_second_writer_while_the_first_loads_its_model_is_refused_at_once(ws, songs, tmp_path):
+    """An earlier separate's --out is held from before the model loads: a second run started then
+    stops at once, and the first goes on."""
+    from test_separate import REPO, TIERSEP
+
+    out = tmp_path / "out"
+    assert run(ws, str(songs / "short.wav"), "--out", str(out)).returncode == 0
+    song = tmp_path / "long.wav"                        # the first run lasts well beyond the second's start
+    sf.write(song, np.random.default_rng(0).standard_normal((8000 * 20, 2)).astype(np.float32) * 0.1, 8000)
+    cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]), "--device", "cpu",
+           str(song), "--out", str(out), "--chunk", "1", "--batch", "1"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lock = out / ".tiersep.lock"
+    import json
+    import time
+
+    deadline = time.time() + 60
+    while time.time() < deadline:                       # the first run wrote itself into the lock
+        try:
+            if json.loads(lock.read_text() or "{}").get("pid") == first.pid:
+                break
+        except ValueError:
+            pass
+        time.sleep(0.05)
+    second = run(ws, str(songs / "short.wav"), "--out", str(out))
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
+    assert second.returncode == 5, second.stderr[-3000:]
+    assert re.search(rf"in use by pid {first.pid} on .*: {re.escape(' '.join(cmd))}\); wait for it",
+                     last_line(second)), last_line(second)
+    assert MODEL_LOADED not in second.stderr

@@ -4,7 +4,8 @@ Up front, before any song is written: the options (formats, filename template), 
 folders searched recursively), the output folder (tiersep.outputs: new, empty or a separate folder;
 one writer at a time), the model (weights-only, its own preset or the one named), each song's probe
 (a song ffmpeg cannot read fails alone), and the plan (chunk and batch under the budget, or a
-refusal naming the estimate). Then each song streams through separate/song.py into temporaries
+refusal naming the estimate). An earlier separate's --out is locked before the model loads, a new
+one is made and locked once the plan fits. Then each song streams through separate/song.py into temporaries
 that are renamed when the song is complete, and a JSON sidecar records how it was made. A failed
 song is reported and the others go on; the command then exits 2 naming the failures.
 """
@@ -28,7 +29,7 @@ from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
 from tiersep.report.units import format_bytes
-from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, refuse_if_busy
+from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, read_stamp, refuse_if_busy
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
 from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
@@ -131,7 +132,25 @@ def separate(cfg: dict, opts: Options) -> dict:
     songs = find_songs(opts.inputs, skip=opts.out)
     check(opts.out, "separate")                        # a refused folder before any work
     check_writable(opts.out)
-    refuse_if_busy(opts.out, inside=True)              # a second writer stops before the model loads
+    with contextlib.ExitStack() as held:
+        # a second writer stops before the model loads: an earlier separate's folder is held from
+        # here on; a new one is made only once the plan fits (a refusal creates nothing)
+        locked = read_stamp(opts.out) is not None and _hold(held, opts.out)
+        if not locked:
+            refuse_if_busy(opts.out, inside=True)
+        return _separate(cfg, opts, songs, held, locked)
+
+
+def _hold(held: contextlib.ExitStack, out: Path) -> bool:
+    """Make --out separate's folder and hold its lock (inside it: its parent need not be writable)."""
+    try:
+        held.enter_context(exclusive(claim(out, "separate"), inside=True))
+    except OSError as err:
+        raise OutputRefused(f"--out {out}: cannot write it ({_os_error(err)})") from None
+    return True
+
+
+def _separate(cfg: dict, opts: Options, songs: list[Path], held: contextlib.ExitStack, locked: bool) -> dict:
     model, preset, step = load_separator(opts.model, opts.preset)
     sources = list(preset["model"]["sources"])
     if opts.stems is not None and opts.stems not in sources:
@@ -155,22 +174,18 @@ def separate(cfg: dict, opts: Options) -> dict:
 
     probe_ = MemoryProbe(device)
     records = []
-    with contextlib.ExitStack() as held:
+    if not locked:
+        _hold(held, opts.out)
+    for number, (song, info) in enumerate(infos.items(), 1):
         try:
-            out = claim(opts.out, "separate")
-            held.enter_context(exclusive(out, inside=True))   # inside: --out's parent need not be writable
-        except OSError as err:
-            raise OutputRefused(f"--out {opts.out}: cannot write it ({_os_error(err)})") from None
-        for number, (song, info) in enumerate(infos.items(), 1):
-            try:
-                records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
-                                         malloc, f"[{number}/{len(infos)}] {song_name(info.path)}"))
-            except (SongError, OSError) as err:
-                failures[song] = _song_failure(err, song)
-                print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
-            except torch.OutOfMemoryError as err:
-                failures[song] = f"{song}: out of memory on {device} ({_song_failure(err, song)[:160]})"
-                print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+            records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
+                                     malloc, f"[{number}/{len(infos)}] {song_name(info.path)}"))
+        except (SongError, OSError) as err:
+            failures[song] = _song_failure(err, song)
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+        except torch.OutOfMemoryError as err:
+            failures[song] = f"{song}: out of memory on {device} ({_song_failure(err, song)[:160]})"
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
     if failures:
         raise _failed(failures, len(songs))
     return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
