@@ -28,7 +28,6 @@ from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
-from tiersep.report.units import format_bytes
 from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, read_stamp, refuse_if_busy
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
@@ -166,7 +165,7 @@ def _separate(cfg: dict, opts: Options, songs: list[Path], held: contextlib.Exit
     model = model.to(device)
     print(f"tiersep separate: {preset['name']} on {device.type}: chunk {plan.chunk_samples / rate:g} s x batch "
           f"{plan.batch}, booked {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB (predicted peak "
-          f"{format_bytes(plan.estimate['peak_bytes'])}) within {plan.budget_bytes / GIB:.2f} GiB "
+          f"{_gib_or_mib(plan.estimate['peak_bytes'])}) within {plan.budget_bytes / GIB:.2f} GiB "
           f"({plan.budget_source})", file=sys.stderr)
     settings = StreamSettings(plan.chunk_samples, plan.batch, opts.overlap, preset["train"]["precision"],
                               opts.shifts, opts.seed, BLOCK_FRAMES)
@@ -368,6 +367,10 @@ def check_song_space(info, paths: dict, opts: Options) -> None:
                          label=str(info.path))
     except DataError as err:
         raise SongError(str(err)) from None
+
+
+def _gib_or_mib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
 
 
 def _summary(record: dict, folder: Path) -> str:
