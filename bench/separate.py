@@ -105,7 +105,7 @@ def separate(setup: dict, tier: str, song: Path, out: Path, budget: float | None
     memory = record["memory"]
     return {"tier": tier, "minutes": record["seconds"] / 60, "budget": "auto" if budget is None else None,
             "budget_gib": memory["budget_bytes"] / GIB, "chunk_s": record["chunk_seconds"], "batch": record["batch"],
-            "booked_mib": memory["estimated_bytes"] / MIB, "live_mib": memory["estimated_peak_bytes"] / MIB,
+            "booked_mib": memory["booked_bytes"] / MIB, "live_mib": memory["predicted_peak_bytes"] / MIB,
             "peak_mib": measured["peak_rss_bytes"] / MIB, "rtf": record["real_time_factor"],
             "malloc": (memory.get("malloc") or {}).get("mode", "?"),
             "within": measured["peak_rss_bytes"] <= memory["budget_bytes"]}

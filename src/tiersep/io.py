@@ -22,7 +22,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         if tmp.exists():  # mkstemp makes 0600 files; give outputs the usual umask permissions
-            os.chmod(tmp, 0o666 & ~_umask())
+            os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -63,7 +63,7 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)   # tiersep's own (checked above)
         os.replace(tmp, path)
@@ -72,7 +72,7 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -8,9 +8,11 @@ The rules (docs/safety.md):
   Anything else is refused with one line: nothing of the user's is touched.
 - `/`, the home folder, the working directory and their ancestors are never an output folder.
 - One writer per output folder: `exclusive()` holds an `fcntl.flock` on a lock file beside the
-  folder (`.<name>.lock`; beside, not inside, because a prepared folder is replaced whole). The
-  kernel drops the lock when the process dies, so a lock is never stale. A second writer stops at
-  once naming the holder's pid and host.
+  folder (`.<name>.lock`; beside, not inside, because a prepared folder is replaced whole), or
+  inside it (`.tiersep.lock`, `inside=True`) for a folder that is only ever added to (separate's:
+  its parent, e.g. /scratch/$USER, need not be writable). The kernel drops the lock when the
+  process dies, so a lock is never stale. A second writer stops at once naming the holder's pid,
+  host and whole command; `refuse_if_busy` asks the same before any slow work.
 - Temporary names are tiersep's own (`.<name>.<8 random chars>.tmp`, see tiersep.io); one left by
   a killed writer is removed by the next writer of that folder, under the lock, and nothing else.
 - Nothing that holds results is deleted: a run that must start over moves the old one aside
@@ -34,9 +36,11 @@ from typing import Callable, Iterator
 from tiersep.config import ConfigError
 
 STAMP = ".tiersep"
+LOCK_INSIDE = ".tiersep.lock"     # the lock file of a folder locked from inside (exclusive(inside=True))
 PREVIOUS = "previous"
 STAGES = ("prepare", "train", "evaluate", "report", "separate")
 EXIT_BUSY = 5
+HOLDER_COMMAND_CHARS = 4000       # the holder's command as the lock file keeps it (whole, in practice)
 # flock errors that mean "this file system has no locks", not "someone holds it"
 UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 # tempfile's names: prefix + 8 characters of "abcdefghijklmnopqrstuvwxyz0123456789_" + suffix
@@ -95,8 +99,8 @@ def write_stamp(folder: str | Path, stage: str) -> None:
 
 
 def user_entries(folder: Path) -> list[str]:
-    """Names in `folder` other than tiersep's stamp and temporary names."""
-    return sorted(e.name for e in os.scandir(folder) if e.name != STAMP and not is_temp_name(e.name))
+    """Names in `folder` other than tiersep's stamp, lock and temporary names."""
+    return sorted(e.name for e in os.scandir(folder) if e.name not in (STAMP, LOCK_INSIDE) and not is_temp_name(e.name))
 
 
 def check(folder: str | Path, stage: str, option: str = "--out", known: Callable[[Path], bool] | None = None) -> None:
@@ -140,19 +144,49 @@ def only_names(allowed: set[str] | Callable[[str], bool]) -> Callable[[Path], bo
     return lambda folder: all(test(name) for name in user_entries(folder))
 
 
-def lock_path(folder: str | Path) -> Path:
+def lock_path(folder: str | Path, inside: bool = False) -> Path:
     folder = Path(folder)
-    return folder.parent / f".{folder.name}.lock"
+    return folder / LOCK_INSIDE if inside else folder.parent / f".{folder.name}.lock"
+
+
+def check_writable(folder: str | Path, option: str = "--out") -> None:
+    """Refuse (OutputRefused, one line) when `folder`, or the nearest existing folder above a new
+    one, cannot be written by this process: before any slow work, not as a traceback half-way."""
+    folder = Path(os.path.abspath(Path(folder).expanduser()))
+    where = folder
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not os.access(where, os.W_OK | os.X_OK):
+        what = "cannot be written" if where == folder else f"cannot be made: {where} cannot be written"
+        raise OutputRefused(f"{option} {folder}: {what} (permission denied); give a folder you can write")
+
+
+def refuse_if_busy(folder: str | Path, option: str = "--out", inside: bool = False) -> None:
+    """OutputBusy at once when a live process holds `folder`'s lock (the look exclusive() takes
+    later, for real, under the lock); nothing is created."""
+    path = lock_path(folder, inside)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return                 # no lock file: nobody has written there yet (or we cannot tell)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise OutputBusy(_busy(folder, option, fd, path)) from None
+    finally:
+        os.close(fd)           # also releases the shared lock taken to look
 
 
 @contextlib.contextmanager
-def exclusive(folder: str | Path, option: str = "--out", wait: bool = False) -> Iterator[Path]:
+def exclusive(folder: str | Path, option: str = "--out", wait: bool = False, inside: bool = False) -> Iterator[Path]:
     """Hold the one-writer lock of `folder` for the block: OutputBusy when another process has it,
     or with `wait`, wait for it (a second prepare needs the set the first is generating; the kernel
     drops a dead holder's lock, so the wait ends). Inside the block, temporaries left by a killed
-    writer of this folder are removed first."""
+    writer of this folder are removed first. inside: the lock file is in the folder (which must exist),
+    not beside it."""
     folder = Path(folder)
-    path = lock_path(folder)
+    path = lock_path(folder, inside)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -166,8 +200,7 @@ def exclusive(folder: str | Path, option: str = "--out", wait: bool = False) -> 
                 print(f"tiersep: warning: {path.parent} does not support file locks ({os.strerror(err.errno)}); "
                       f"nothing stops a second writer of {folder} (docs/safety.md)", file=sys.stderr)
             elif err.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                busy = (f"{option} {folder}: in use by {_holder(fd)}; wait for it to finish "
-                        f"(the lock is {path}, released when that process ends)")
+                busy = _busy(folder, option, fd, path)
                 if not wait:
                     raise OutputBusy(busy) from None
                 print(f"tiersep: waiting: {busy}", file=sys.stderr)
@@ -186,7 +219,7 @@ def exclusive(folder: str | Path, option: str = "--out", wait: bool = False) -> 
 def write_holder(fd: int, **extra) -> None:
     """Write who holds the lock on `fd` into its file (pid, host, command, since; plus `extra`), for
     the message of whoever finds it taken. Call only while holding the lock."""
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:HOLDER_COMMAND_CHARS],
           "since": dt.datetime.now().isoformat(timespec="seconds"), **extra}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
@@ -195,7 +228,7 @@ def write_holder(fd: int, **extra) -> None:
 def read_holder(fd: int) -> dict | None:
     """What write_holder wrote into the lock file on `fd` ({"pid", "host", ...}), or None."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        info = json.loads(os.pread(fd, 4 * HOLDER_COMMAND_CHARS + 4096, 0) or b"{}")
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) and "pid" in info and "host" in info else None
@@ -205,8 +238,12 @@ def _holder(fd: int) -> str:
     info = read_holder(fd)
     if info is None:
         return "another process"
-    return (f"pid {info['pid']} on {info['host']} (since {info.get('since', '?')}: "
-            f"{str(info.get('command', ''))[:120]})")
+    return f"pid {info['pid']} on {info['host']} (since {info.get('since', '?')}: {info.get('command', '')})"
+
+
+def _busy(folder: Path, option: str, fd: int, path: Path) -> str:
+    return (f"{option} {folder}: in use by {_holder(fd)}; wait for it to finish "
+            f"(the lock is {path}, released when that process ends)")
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:

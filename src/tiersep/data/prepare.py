@@ -270,13 +270,15 @@ def free_bytes(folder: Path) -> tuple[Path, int]:
     return where, shutil.disk_usage(where).free
 
 
-def check_free_space(out_dir: Path, need: int, free: tuple[Path, int] | None = None) -> None:
-    """Refuse (DataError, one line) before writing when `need` bytes and a margin do not fit. The
-    old folder, if any, is removed only after the new one is complete: the new one needs all of it."""
+def check_free_space(out_dir: Path, need: int, free: tuple[Path, int] | None = None,
+                     what: str = "the prepared set", label: str | None = None) -> None:
+    """Refuse (DataError, one line: `label`, default "--out OUT_DIR") before writing when `need`
+    bytes of `what` and a margin do not fit beside `out_dir`. (prepare: the old folder, if any, is
+    removed only after the new one is complete, so the new one needs all of it.)"""
     where, available = free or free_bytes(Path(out_dir).parent)
     margin = max(int(need * SPACE_MARGIN), MIN_MARGIN_BYTES)
     if need + margin > available:
-        raise DataError(f"--out {out_dir}: not enough free disk space: the prepared set needs about "
+        raise DataError(f"{label or f'--out {out_dir}'}: not enough free disk space: {what} needs about "
                         f"{_size(need)} (+ {_size(margin)} margin) but {where} has {_size(available)} free; "
                         "free some space or give --out on another disk")
 

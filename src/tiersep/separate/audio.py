@@ -32,6 +32,8 @@ MP3_BITRATE = "320k"            # demucs's default --mp3-bitrate
 # A decoded song shorter than its header's duration by more than this is noted as truncated
 # (VBR files without a duration header are estimated by ffprobe, hence the slack).
 TRUNCATION_SLACK_S = 1.0
+# A failed write with less free than this on the file's disk is a full disk
+FULL_DISK_BYTES = 1 << 20
 
 
 class SongError(Exception):
@@ -191,12 +193,33 @@ def _last_line(text: str, path: Path) -> str:
     return line[:200]
 
 
+def write_failure(path: Path, detail: str) -> SongError:
+    """Why writing `path` failed, in words: libsndfile says only "System error." for a full disk."""
+    folder = path.parent
+    try:
+        stats = os.statvfs(folder)
+        free = stats.f_bavail * stats.f_frsize
+    except OSError:
+        free = None
+    if free is not None and free < FULL_DISK_BYTES:
+        return SongError(f"{path}: no space left on {folder} ({free // 1024} KiB free); free some space or "
+                         "give --out on another disk")
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return SongError(f"{path}: cannot write it ({detail}); the file size limit of this process is "
+                         f"{limit} bytes (ulimit -f)")
+    return SongError(f"{path}: cannot write it ({detail})")
+
+
 class Encoder:
     """Write [C, n] float32 blocks to `path` as `fmt` (wav, flac, mp3) with `bits` (16, 24, 32f;
-    flac takes 16 or 24, mp3 ignores it). Samples are written as given: the caller clips."""
+    flac takes 16 or 24, mp3 ignores it). Samples are written as given: the caller clips. A failed
+    write is a SongError naming `shown` (the final path; default `path`) and the cause."""
 
-    def __init__(self, path: Path, fmt: str, bits: str, rate: int, channels: int):
-        self.path, self.fmt = Path(path), fmt
+    def __init__(self, path: Path, fmt: str, bits: str, rate: int, channels: int, shown: Path | None = None):
+        self.path, self.fmt, self.shown = Path(path), fmt, Path(shown or path)
         self.proc = self.file = None
         if fmt == "mp3":
             cmd = ["ffmpeg", "-v", "error", "-nostdin", "-y", "-f", "f32le", "-ar", str(rate), "-ac",
@@ -205,8 +228,11 @@ class Encoder:
             self.errors = tempfile.TemporaryFile()
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.errors)
         else:
-            self.file = sf.SoundFile(str(self.path), "w", samplerate=rate, channels=channels,
-                                     subtype=SUBTYPES[bits], format=fmt.upper())
+            try:
+                self.file = sf.SoundFile(str(self.path), "w", samplerate=rate, channels=channels,
+                                         subtype=SUBTYPES[bits], format=fmt.upper())
+            except sf.SoundFileRuntimeError as err:
+                raise write_failure(self.shown, str(err)) from None
 
     def write(self, block: np.ndarray) -> None:
         frames = np.ascontiguousarray(np.asarray(block, dtype=np.float32).T)    # [n, C]
@@ -216,12 +242,18 @@ class Encoder:
             except BrokenPipeError:
                 self.close()          # raises with ffmpeg's message
         else:
-            self.file.write(frames)
+            try:
+                self.file.write(frames)
+            except sf.SoundFileRuntimeError as err:
+                raise write_failure(self.shown, str(err)) from None
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
-            self.file = None
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except sf.SoundFileRuntimeError as err:
+                raise write_failure(self.shown, str(err)) from None
         if self.proc is not None:
             proc, self.proc = self.proc, None
             try:
@@ -233,7 +265,10 @@ class Encoder:
             text = self.errors.read().decode(errors="replace")
             self.errors.close()
             if code != 0:
-                raise SongError(f"{self.path}: ffmpeg could not encode mp3 ({_last_line(text, self.path)})")
+                message = _last_line(text, self.path)
+                if "No space left" in message or "File too large" in message:
+                    raise write_failure(self.shown, message)
+                raise SongError(f"{self.shown}: ffmpeg could not encode mp3 ({message})")
 
     def abort(self) -> None:
         """Stop without caring for the result (the caller removes the file)."""
@@ -243,5 +278,8 @@ class Encoder:
             self.proc = None
             self.errors.close()
         if self.file is not None:
-            self.file.close()
-            self.file = None
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except sf.SoundFileRuntimeError:
+                pass          # a full disk fails the header's last write too; the file goes anyway

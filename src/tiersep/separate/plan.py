@@ -42,6 +42,7 @@ class SeparationRequest:
     longest_samples: int    # the longest song: no batch beyond its chunks
     rate_ratio: float       # the song rate furthest from the model's, over it (the stream's blocks scale with it)
     two_stem: bool = False  # --stems: a stem and its complement (the mixture is kept for it)
+    above_band: bool = False  # a song above the model's rate: its band above the model's is kept (song.py)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def budget_for(device: torch.device, override_gib: float | None, calibration_spe
 
 
 def host_bytes(channels: int, n_src: int, chunk: int, batch: int, hop: int, shifts: int, rate_ratio: float,
-               two_stem: bool) -> int:
+               two_stem: bool, above_band: bool = False) -> int:
     """Host memory of the stream around the model calls, by what each stage holds at most (float32
     samples; r = the song's rate over the model's, or its inverse, whichever is larger):
     - per pass (OverlapAdd, model rate): the input kept for the next chunks and its copy, a batch of
@@ -88,14 +89,18 @@ def host_bytes(channels: int, n_src: int, chunk: int, batch: int, hop: int, shif
     - per song: a decoded block in three forms (bytes, view, copy) and resampled with its copy; the
       stems of a block through the resampler back (its input, its buffer and copy) and at the song's
       rate three times (resampled, channel-averaged or clipped, laid out for the encoder); in
-      two-stem mode the decoded mixture waiting for its stems (a span and a block at the song's rate)."""
+      two-stem mode the decoded mixture waiting for its stems (a span and a block at the song's rate);
+      for a song above the model's rate, the band above the model's (song.py's _AboveBand): the
+      mixture waiting for its band below, that band through a resampler, and the band above waiting
+      for the stems (a span and a block at the song's rate, three times)."""
     span = batch * hop + chunk
     block = BLOCK_FRAMES
     r = max(rate_ratio, 1.0 / rate_ratio)
     per_pass = 2 * channels * (chunk + block) + 2 * channels * chunk * batch + 3 * n_src * channels * span
     averaging = (shifts > 1) * 2 * n_src * channels * span
     song = (3 * channels * block + 2 * channels * block * r + 3 * n_src * channels * block
-            + 3 * n_src * channels * block * r + two_stem * channels * (span + block) * r)
+            + 3 * n_src * channels * block * r + two_stem * channels * (span + block) * r
+            + above_band * 3 * channels * (span + block) * r)
     return int(BYTES * (shifts * per_pass + averaging + song))
 
 
@@ -106,7 +111,8 @@ def estimate_for(preset: dict, device: torch.device, chunk: int, batch: int, bud
 
     n_src, channels = len(preset["model"]["sources"]), preset["audio"]["channels"]
     hop = chunk - overlap_samples(chunk, request.overlap)
-    host = host_bytes(channels, n_src, chunk, batch, hop, request.shifts, request.rate_ratio, request.two_stem)
+    host = host_bytes(channels, n_src, chunk, batch, hop, request.shifts, request.rate_ratio, request.two_stem,
+                      request.above_band)
     return estimate_inference(preset, device.type, chunk, batch, budget, settings.safety_margin,
                               settings.calibration_spec, host)
 

@@ -4,13 +4,17 @@ Up front, before any song is written: the options (formats, filename template), 
 folders searched recursively), the output folder (tiersep.outputs: new, empty or a separate folder;
 one writer at a time), the model (weights-only, its own preset or the one named), each song's probe
 (a song ffmpeg cannot read fails alone), and the plan (chunk and batch under the budget, or a
-refusal naming the estimate). Then each song streams through separate/song.py into temporaries
+refusal naming the estimate). An earlier separate's --out is locked before the model loads, a new
+one is made and locked once the plan fits. Then each song streams through separate/song.py into temporaries
 that are renamed when the song is complete, and a JSON sidecar records how it was made. A failed
 song is reported and the others go on; the command then exits 2 naming the failures.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import os
 import string
 import sys
 import time
@@ -18,23 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tiersep import config as C
 from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
-from tiersep.outputs import check, claim, exclusive
+from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, read_stamp, refuse_if_busy
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
 from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
+from .progress import SongProgress
 from .song import StreamSettings, complement_name, separate_song
-from .stems import SongFiles
+from .stems import SongFiles, disk_bytes
 
 TEMPLATE_FIELDS = ("song", "songext", "stem", "ext")
 SIDECAR = {"stem": "separate", "ext": "json"}     # the sidecar's path: the template with these
 SIDECAR_KEY = "<sidecar>"                          # its entry among a song's output paths
+BAND_NOTE_SHARE = 1e-4      # a band above the model's with this share of the energy (-40 dB) is noted
 
 
 class SongsFailed(ConfigError):
@@ -122,8 +127,29 @@ def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Modu
 def separate(cfg: dict, opts: Options) -> dict:
     """Separate every song of opts.inputs into opts.out (see module docstring); returns the summary."""
     check_options(opts)
+    check_inputs_outside_out(opts)
     songs = find_songs(opts.inputs, skip=opts.out)
     check(opts.out, "separate")                        # a refused folder before any work
+    check_writable(opts.out)
+    with contextlib.ExitStack() as held:
+        # a second writer stops before the model loads: an earlier separate's folder is held from
+        # here on; a new one is made only once the plan fits (a refusal creates nothing)
+        locked = read_stamp(opts.out) is not None and _hold(held, opts.out)
+        if not locked:
+            refuse_if_busy(opts.out, inside=True)
+        return _separate(cfg, opts, songs, held, locked)
+
+
+def _hold(held: contextlib.ExitStack, out: Path) -> bool:
+    """Make --out separate's folder and hold its lock (inside it: its parent need not be writable)."""
+    try:
+        held.enter_context(exclusive(claim(out, "separate"), inside=True))
+    except OSError as err:
+        raise OutputRefused(f"--out {out}: cannot write it ({_os_error(err)})") from None
+    return True
+
+
+def _separate(cfg: dict, opts: Options, songs: list[Path], held: contextlib.ExitStack, locked: bool) -> dict:
     model, preset, step = load_separator(opts.model, opts.preset)
     sources = list(preset["model"]["sources"])
     if opts.stems is not None and opts.stems not in sources:
@@ -138,30 +164,41 @@ def separate(cfg: dict, opts: Options) -> dict:
     malloc = _apply_malloc(plan)
     model = model.to(device)
     print(f"tiersep separate: {preset['name']} on {device.type}: chunk {plan.chunk_samples / rate:g} s x batch "
-          f"{plan.batch}, estimated peak {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB within "
-          f"{plan.budget_bytes / GIB:.2f} GiB ({plan.budget_source})", file=sys.stderr)
+          f"{plan.batch}, booked {plan.estimate['gate_required_bytes'] / GIB:.2f} GiB (predicted peak "
+          f"{_gib_or_mib(plan.estimate['peak_bytes'])}) within {plan.budget_bytes / GIB:.2f} GiB "
+          f"({plan.budget_source})", file=sys.stderr)
     settings = StreamSettings(plan.chunk_samples, plan.batch, opts.overlap, preset["train"]["precision"],
                               opts.shifts, opts.seed, BLOCK_FRAMES)
     from tiersep.probe import MemoryProbe
 
     probe_ = MemoryProbe(device)
     records = []
-    out = claim(opts.out, "separate")
-    with exclusive(out), tqdm(total=len(infos), desc=f"separate {preset['name']}", unit="song") as overall:
-        for song, info in infos.items():
-            try:
-                records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
-                                         malloc))
-            except (SongError, OSError) as err:
-                failures[song] = _song_failure(err, song)
-                tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
-            except torch.OutOfMemoryError as err:
-                failures[song] = f"{song}: out of memory on {device} ({_song_failure(err, song)[:160]})"
-                tqdm.write(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
-            overall.update(1)
+    if not locked:
+        _hold(held, opts.out)
+    for number, (song, info) in enumerate(infos.items(), 1):
+        try:
+            records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
+                                     malloc, f"[{number}/{len(infos)}] {song_name(info.path)}"))
+        except (SongError, OSError) as err:
+            failures[song] = _song_failure(err, song)
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+        except torch.OutOfMemoryError as err:
+            failures[song] = f"{song}: out of memory on {device} ({_song_failure(err, song)[:160]})"
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
     if failures:
         raise _failed(failures, len(songs))
     return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
+
+
+def check_inputs_outside_out(opts: Options) -> None:
+    """An INPUT folder that is --out, or inside it, is refused: stems are never songs."""
+    out = os.path.realpath(opts.out)
+    for given in opts.inputs:
+        where = os.path.realpath(Path(given).expanduser())
+        if Path(given).expanduser().is_dir() and (where == out or where.startswith(out.rstrip(os.sep) + os.sep)):
+            inside = "is" if where == out else "is inside"
+            raise ConfigError(f"--out {opts.out}: the INPUT folder {given} {inside} it; give the stems a folder "
+                              "of their own (it may be inside the INPUT folder)")
 
 
 def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[dict, dict, dict]:
@@ -177,8 +214,13 @@ def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[di
             continue
         name = song_name(song)
         suffix = song.name[len(name):].lstrip(".")
-        wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, opts.format) for stem in names}
-        wanted[SIDECAR_KEY] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
+        try:
+            wanted = {stem: opts.out / render(opts.filename, name, suffix, stem, opts.format) for stem in names}
+            wanted[SIDECAR_KEY] = opts.out / render(opts.filename, name, suffix, **SIDECAR)
+        except ConfigError as err:                 # a name such as '...mp3': this song alone fails
+            failures[song] = f"{song}: its name cannot make an output path ({err}); rename the file"
+            print(f"tiersep separate: failed: {failures[song]}", file=sys.stderr)
+            continue
         clash = next((owners[p] for p in wanted.values() if p in owners), None)
         if clash is not None:
             failures[song] = f"{song}: its outputs are those of {clash} too (--filename {opts.filename!r}); rename one"
@@ -210,7 +252,8 @@ def separation_request(opts: Options, preset: dict, infos: dict) -> SeparationRe
         min_chunk=max(n_fft, int(round(opts.min_chunk_seconds * rate))),
         max_batch=opts.max_batch, overlap=opts.overlap, shifts=opts.shifts,
         longest_samples=int(max(seconds) * rate) + 1 if None not in seconds else 10**12,
-        rate_ratio=_rate_ratio(infos, rate), two_stem=opts.stems is not None)
+        rate_ratio=_rate_ratio(infos, rate), two_stem=opts.stems is not None,
+        above_band=any(i.rate > rate for i in infos.values()))
 
 
 def _rate_ratio(infos: dict, rate: int) -> float:
@@ -231,22 +274,19 @@ def _apply_malloc(plan) -> dict | None:
     return {"mode": booked["malloc"], "applied": False, "reason": "glibc's own malloc: its booking fits the budget"}
 
 
-def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc) -> dict:
+def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc, title) -> dict:
     from tiersep.io import write_json
     from tiersep.probe import versions
 
     began = time.perf_counter()
     sidecar = paths.pop(SIDECAR_KEY)
+    check_song_space(info, paths, opts)
     files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip)
     label = song_name(info.path)
     try:
-        with tqdm(total=info.seconds, desc=label[:30], unit="s", leave=False,
-                  bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]") as bar:
-            def advance(seconds):   # the declared duration may be a little short of the decoded one
-                bar.update(min(seconds, bar.total - bar.n) if bar.total else seconds)
-
+        with SongProgress(title, info.seconds, info.rate) as progress:
             result = separate_song(model, preset, info, files, settings, plan.device, opts.stems,
-                                   on_seconds=advance, on_block=probe_.sample)
+                                   on_frames=progress.advance, on_block=probe_.sample)
         clipping = files.commit()
     except BaseException:
         files.abort()
@@ -254,31 +294,83 @@ def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, ma
     taken = time.perf_counter() - began
     measured = probe_.peaks()[1] if plan.device.type == "cpu" else probe_.record()["peak_device_bytes"]
     record = {
-        "song": label, "input": str(info.path), "codec": info.codec, "sample_rate": info.rate,
+        "song": label, "input": os.path.abspath(info.path), "codec": info.codec, "sample_rate": info.rate,
         "channels": info.channels, "seconds": result["seconds"],
-        "model": str(opts.model), "tier": preset["name"], "preset": preset, "step": step,
-        "stems": {stem: str(path.relative_to(opts.out)) for stem, path in paths.items()},
+        "model": os.path.abspath(opts.model), "tier": preset["name"], "preset": preset, "step": step,
+        "stems": {stem: os.path.abspath(path) for stem, path in paths.items()},
         "settings": {"stems": opts.stems, "format": opts.format, "bits": opts.bits, "clip": opts.clip,
                      "overlap": opts.overlap, "shifts": opts.shifts, "seed": opts.seed,
                      "filename": opts.filename, "device": plan.device.type, "precision": preset["train"]["precision"]},
         "chunk_samples": plan.chunk_samples, "chunk_seconds": plan.chunk_samples / preset["audio"]["sample_rate"],
         "batch": plan.batch, "gpu_lease": gpu_lease_record(),
         "memory": {"budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
-                   "estimated_bytes": plan.estimate["gate_required_bytes"],
-                   "estimated_peak_bytes": plan.estimate["peak_bytes"],
-                   "estimate": "the process's peak RSS (live tensors booked as the CPU gate books)"
-                   if plan.device.type == "cpu" else "device use (allocator reserved peak + CUDA context)",
+                   "booked_bytes": plan.estimate["gate_required_bytes"],
+                   "booked": "the process's peak RSS, booked as the CPU gate books it (allowance + a factor "
+                   "x the live tensors + the stream's buffers)" if plan.device.type == "cpu"
+                   else "device use (allocator reserved peak + CUDA context) x (1 + uncertainty)",
+                   "predicted_peak_bytes": plan.estimate["peak_bytes"],
+                   "predicted_peak": "the live tensor bytes of one model call" if plan.device.type == "cpu"
+                   else "device use (allocator reserved peak + CUDA context)",
                    "measured_peak_bytes": int(measured),
                    "measured": "this process's peak RSS so far (VmHWM)" if plan.device.type == "cpu"
                    else "this process's device use so far (NVML/cudaMemGetInfo)",
                    "malloc": malloc, "tried": plan.tried},
-        "clipping": clipping, "notes": result["notes"],
+        "band": result["band"], "clipping": clipping, "notes": result["notes"],
         "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
         "versions": versions(),
     }
+    remove_replaced_stems(sidecar, paths, opts.out)
     write_json(sidecar, record)
-    tqdm.write(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
+    print(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
     return record
+
+
+def remove_replaced_stems(sidecar: Path, paths: dict, out: Path) -> list[Path]:
+    """Remove the stems an earlier run of this song wrote that this run did not (another --stems):
+    only files its sidecar lists, inside --out, so the folder matches the new sidecar. Nothing
+    else is ever removed."""
+    from tiersep.io import read_json
+
+    try:
+        earlier = read_json(sidecar).get("stems")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(earlier, dict):
+        return []
+    inside = os.path.realpath(out) + os.sep
+    keep = {os.path.realpath(p) for p in paths.values()}
+    removed = []
+    for listed in earlier.values():
+        if not isinstance(listed, str):
+            continue
+        path = Path(listed) if os.path.isabs(listed) else out / listed   # relative: sidecars before 0.x
+        real = os.path.realpath(path)
+        if real.startswith(inside) and real not in keep and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def check_song_space(info, paths: dict, opts: Options) -> None:
+    """Refuse this song (SongError, one line) when its stems would not fit on --out's disk, as
+    `prepare` refuses a set. A song whose file declares no duration is not checked (a full disk
+    then fails it half-way, leaving no file)."""
+    from tiersep.data.errors import DataError
+    from tiersep.data.prepare import check_free_space
+
+    if info.seconds is None:
+        return
+    frames = int(info.seconds * info.rate) + 1
+    need = disk_bytes(len(paths), frames, info.channels, info.rate, opts.format, opts.bits, opts.clip)
+    try:
+        check_free_space(next(iter(paths.values())), need, what=f"writing its {len(paths)} stems",
+                         label=str(info.path))
+    except DataError as err:
+        raise SongError(str(err)) from None
+
+
+def _gib_or_mib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
 
 
 def _summary(record: dict, folder: Path) -> str:
@@ -293,6 +385,11 @@ def _summary(record: dict, folder: Path) -> str:
                   "clamp": "clamped to full scale", "none": "written as computed"}[record["clipping"]["mode"]]
         lines.append(f"  note: {len(clipped)} stem(s) went beyond full scale (peak {clipped[worst]['peak']:.2f} in "
                      f"{worst}): {action}")
+    band = record["band"]
+    if band["above_band_energy_share"] >= BAND_NOTE_SHARE:
+        lines.append(f"  note: {100 * band['above_band_energy_share']:.2f}% of the song's energy is above the model's "
+                     f"band ({band['model_band_hz']:g} Hz), which it cannot separate: kept in {band['kept_in']}, so "
+                     "the stems hold the whole band")
     lines += [f"  note: {note}" for note in record["notes"]]
     return "\n".join(lines)
 
@@ -300,8 +397,16 @@ def _summary(record: dict, folder: Path) -> str:
 def _song_failure(err: BaseException, song: Path) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
-        text = f"{err.filename}: {err.strerror or text}"
+        text = f"{err.filename}: {_os_error(err)}"
     return text if str(song) in text else f"{song}: {text}"
+
+
+def _os_error(err: OSError) -> str:
+    """An OSError in words; a full disk named as such (its folder and what is free there)."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = Path(err.filename).parent if err.filename else None
+        return f"no space left on {where}" if where else "no space left on the device"
+    return err.strerror or str(err)
 
 
 def _failed(failures: dict, total: int) -> SongsFailed:

@@ -8,6 +8,11 @@ Every stage keeps only what its next output needs, so memory is bounded by the c
 whatever the song's length. Two-stem mode writes the chosen stem and its complement, the mixture
 minus the stem, at the song's own rate: the decoded blocks wait in a queue until the stem's samples
 of the same span come out, so stem + complement is the mixture.
+
+The band above the model's (its rate's Nyquist, e.g. 4 kHz for an 8 kHz tier) cannot be separated,
+and resampling drops it from every stem. It is kept: the decoded mixture minus that mixture
+resampled to the model's rate and back (`_AboveBand`) is added to `other` (four stems), or is in
+`no_STEM` already (two stems, the mixture minus the stem). Its share of the song's energy is reported.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from .stems import SongFiles
 
 # Shifts delay the song by up to this long (demucs's max_shift: 0.5 s).
 MAX_SHIFT_SECONDS = 0.5
+# The stem that keeps the band above the model's (the last stem when a model has no such stem)
+ABOVE_BAND_STEM = "other"
 
 
 @dataclass
@@ -73,12 +80,57 @@ class _Queue:
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
 
+class _AboveBand:
+    """The decoded mixture above the model's band, at the song's rate and channels: the mixture
+    minus itself resampled to the model's rate and back, queued until the stems of the same span
+    are written (they come later: the separation's latency)."""
+
+    def __init__(self, info: AudioInfo, model_rate: int):
+        self.mixture, self.ready = _Queue(), _Queue()
+        self.back = StreamResampler(model_rate, info.rate)
+        self.mono = info.channels == 1
+        self.pending = 0                        # mixture samples not yet matched by the band below
+        self.energy_above = self.energy = 0.0
+
+    def push_mixture(self, block: np.ndarray) -> None:
+        self.mixture.append(block)
+        self.pending += block.shape[1]
+        self.energy += float(np.square(block, dtype=np.float64).sum())
+
+    def push_model(self, resampled: torch.Tensor | None) -> None:
+        """The mixture as the model gets it (its rate and channels)."""
+        if resampled is not None:
+            self._below(self.back.push(resampled))
+
+    def close(self) -> None:
+        self._below(self.back.close())
+
+    def _below(self, low: torch.Tensor | None) -> None:
+        if low is None:
+            return
+        low = (low.mean(dim=0, keepdim=True) if self.mono else low).numpy()[:, :self.pending]
+        if low.shape[1] == 0:
+            return
+        above = self.mixture.take(low.shape[1]) - low
+        self.pending -= low.shape[1]
+        self.energy_above += float(np.square(above, dtype=np.float64).sum())
+        self.ready.append(above)
+
+    def take(self, count: int) -> np.ndarray:
+        return self.ready.take(count)
+
+    def share(self) -> float:
+        return self.energy_above / self.energy if self.energy > 0 else 0.0
+
+
 class _SongOutput:
     """Stems [n_src, C, m] at the model's rate -> the song's rate and channels -> its files."""
 
     def __init__(self, info: AudioInfo, sources: list[str], files: SongFiles, two_stem: str | None,
-                 back: StreamResampler):
+                 back: StreamResampler, above: _AboveBand | None, on_frames=None):
         self.info, self.sources, self.files, self.two_stem, self.back = info, sources, files, two_stem, back
+        self.above, self.on_frames = above, on_frames
+        self.keeper = ABOVE_BAND_STEM if ABOVE_BAND_STEM in sources else sources[-1]
         self.mixture = _Queue() if two_stem else None     # the decoded mixture, for the complement
         self.written = 0
         self.limit = None                                  # the song's length, once decoded
@@ -106,19 +158,25 @@ class _SongOutput:
         stems = out.numpy()
         if stems.shape[-1] == 0:
             return
-        if self.two_stem:
+        count = stems.shape[-1]
+        above = self.above.take(count) if self.above is not None else None
+        if self.two_stem:              # the complement holds the band above: mixture - stem
             stem = stems[self.sources.index(self.two_stem)]
-            blocks = {self.two_stem: stem, complement_name(self.two_stem): self.mixture.take(stem.shape[-1]) - stem}
+            blocks = {self.two_stem: stem, complement_name(self.two_stem): self.mixture.take(count) - stem}
         else:
             blocks = {name: stems[i] for i, name in enumerate(self.sources)}
+            if above is not None:
+                blocks[self.keeper] = blocks[self.keeper] + above
         self.files.write(blocks)
-        self.written += stems.shape[-1]
+        self.written += count
+        if self.on_frames is not None:
+            self.on_frames(count)
 
 
 def separate_song(model: torch.nn.Module, preset: dict, info: AudioInfo, files: SongFiles, settings: StreamSettings,
-                  device: torch.device, two_stem: str | None, on_seconds=None, on_block=None) -> dict:
-    """Stream the song `info` into `files` (not committed here). Returns {seconds, frames, notes}.
-    on_seconds(s): progress in seconds of audio decoded; on_block(): after each model output."""
+                  device: torch.device, two_stem: str | None, on_frames=None, on_block=None) -> dict:
+    """Stream the song `info` into `files` (not committed here). Returns {seconds, frames, notes,
+    band}. on_frames(n): n more frames of every stem written; on_block(): after each model output."""
     sources = list(preset["model"]["sources"])
     model_rate, model_channels = preset["audio"]["sample_rate"], preset["audio"]["channels"]
     if info.channels not in (1, model_channels):
@@ -128,8 +186,17 @@ def separate_song(model: torch.nn.Module, preset: dict, info: AudioInfo, files: 
                          settings.batch, delay) for delay in shift_delays(settings.shifts, settings.seed, model_rate)]
     separator = passes[0] if len(passes) == 1 else ShiftAverage(passes)
     to_model = StreamResampler(info.rate, model_rate)
-    output = _SongOutput(info, sources, files, two_stem, StreamResampler(model_rate, info.rate))
+    # only a song above the model's rate has a band the model cannot hold
+    above = _AboveBand(info, model_rate) if info.rate > model_rate else None
+    output = _SongOutput(info, sources, files, two_stem, StreamResampler(model_rate, info.rate), above, on_frames)
     decoder = Decoder(info, settings.block_frames)
+
+    def to_separator(resampled: torch.Tensor | None) -> None:
+        if resampled is None:
+            return
+        if above is not None:            # before the separator: the band below is then always ahead
+            above.push_model(resampled)
+        separated(separator.push(resampled))
 
     def separated(stems: torch.Tensor | None) -> None:
         if stems is not None and on_block is not None:
@@ -140,20 +207,20 @@ def separate_song(model: torch.nn.Module, preset: dict, info: AudioInfo, files: 
         block = block.copy()                                # writable (ffmpeg's bytes are read-only)
         if output.mixture is not None:
             output.mixture.append(block)
+        if above is not None:
+            above.push_mixture(block)
         signal = torch.from_numpy(block)
         if info.channels == 1 and model_channels != 1:
             signal = signal.expand(model_channels, -1)      # mono separated as stereo
-        resampled = to_model.push(signal)
-        if resampled is not None:
-            separated(separator.push(resampled))
-        if on_seconds is not None:
-            on_seconds(block.shape[1] / info.rate)
+        to_separator(to_model.push(signal))
     output.limit = frames = decoder.frames
-    resampled = to_model.close()
-    if resampled is not None:
-        separated(separator.push(resampled))
+    to_separator(to_model.close())
+    if above is not None:
+        above.close()
     separated(separator.close())
     output.close(len(sources), model_channels)
     if output.written != frames:
         raise RuntimeError(f"{info.path}: wrote {output.written} of {frames} frames (a bug in the stream)")
-    return {"seconds": frames / info.rate, "frames": frames, "notes": list(decoder.notes)}
+    band = {"model_band_hz": model_rate / 2, "above_band_energy_share": above.share() if above else 0.0,
+            "kept_in": None if above is None else complement_name(two_stem) if two_stem else output.keeper}
+    return {"seconds": frames / info.rate, "frames": frames, "notes": list(decoder.notes), "band": band}

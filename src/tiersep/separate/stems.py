@@ -2,7 +2,8 @@
 
 Nothing half-written: every stem goes to a tiersep temporary name beside its final path
 (`.<name>.<8 chars>.tmp`, which `tiersep.outputs.exclusive` removes after a killed run); only when
-all stems of the song are complete are they renamed into place. A failure removes the temporaries.
+all stems of the song are complete are they renamed into place, with the modes the umask gives
+(0644 under the usual 022). A failure (a full disk included) removes the temporaries.
 
 Clipping (`clip`), and what is reported per stem (peak, samples beyond full scale):
 - clamp: samples are clipped to [-1, 1];
@@ -21,11 +22,27 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
+from tiersep.io import current_umask
+
 from .audio import Encoder
 
 CLIP_MODES = ("rescale", "clamp", "none")
 RESCALE_HEADROOM = 1.01
 COPY_BLOCK = 1 << 16        # frames per block when encoding a rescaled temporary
+MP3_BYTES_PER_SECOND = 320_000 // 8 + 1000      # 320 kbit/s and its frame headers, generously
+FILE_HEADER_BYTES = 64 * 1024
+
+
+def disk_bytes(stems: int, frames: int, channels: int, rate: int, fmt: str, bits: str, clip: str) -> int:
+    """The most disk one song's stems hold at once: the finished files (flac booked as PCM, its
+    worst case; mp3 at its bitrate), and with rescale the float32 temporaries beside the first one
+    encoded from them."""
+    samples = frames * channels
+    final = (samples * {"16": 2, "24": 3, "32f": 4}[bits] if fmt != "mp3"
+             else int(frames / rate * MP3_BYTES_PER_SECOND)) + FILE_HEADER_BYTES
+    if clip == "rescale":
+        return stems * (samples * 4 + FILE_HEADER_BYTES) + final
+    return stems * final
 
 
 def temporary_path(final: Path) -> Path:
@@ -52,7 +69,7 @@ class SongFiles:
             self.temps[stem] = temporary_path(final)
             # rescale: float32 first, encoded with the gain at the end
             fmt_, bits_ = ("wav", "32f") if clip == "rescale" else (fmt, bits)
-            self.encoders[stem] = Encoder(self.temps[stem], fmt_, bits_, rate, channels)
+            self.encoders[stem] = Encoder(self.temps[stem], fmt_, bits_, rate, channels, shown=final)
 
     def _make_dirs(self, folder: Path) -> None:
         missing = []
@@ -84,7 +101,9 @@ class SongFiles:
             self.gain = 1.0 / max(RESCALE_HEADROOM * peak, 1.0)
             for stem, raw in list(self.temps.items()):
                 self.temps[stem] = self._encode_scaled(raw, self.paths[stem])
+        mode = 0o666 & ~current_umask()        # mkstemp made them 0600; stems are read like any output
         for stem, temp in self.temps.items():
+            os.chmod(temp, mode)
             os.replace(temp, self.paths[stem])
         self.temps = {}
         return self.report()
@@ -93,7 +112,7 @@ class SongFiles:
         """Encode the float32 temporary `raw` with the song's gain into a new temporary (returned);
         `raw` is removed once that succeeded, and stays a temporary for abort() otherwise."""
         encoded = temporary_path(final)
-        encoder = Encoder(encoded, self.fmt, self.bits, self.rate, self.channels)
+        encoder = Encoder(encoded, self.fmt, self.bits, self.rate, self.channels, shown=final)
         try:
             with sf.SoundFile(str(raw)) as source:
                 for block in source.blocks(COPY_BLOCK, dtype="float32", always_2d=True):

@@ -1,0 +1,255 @@
+"""`tiersep separate` under disk and permission faults, and the state of --out between runs: the
+real CLI in its own process, on a tiny trained tier (test_separate's fixtures). Every fault ends in
+one line with a documented exit code and leaves no half file."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import signal
+import stat
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tiersep.data.prepare import FREE_BYTES_ENV
+
+from test_separate import last_line, run, sidecar, songs, temporaries, ws  # noqa: F401 (fixtures)
+
+# As root, the DAC capabilities make every folder writable; setpriv drops them from the bounding
+# set so the command it starts meets the permissions a user meets (as tests/test_prepare_safety.py).
+WITHOUT_DAC = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else [])
+MODEL_LOADED = "tiersep separate: train_test_tiny on cpu"     # the line printed once the model is ready
+
+
+def everything(folder: Path) -> list[str]:
+    """Every name under `folder` but tiersep's stamp and lock (nothing else may be left by a fault)."""
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name not in (".tiersep", ".tiersep.lock"))
+
+
+@contextlib.contextmanager
+def small_disk(tmp_path: Path):
+    """A 2 MiB file system (a real tmpfs when this process may mount one), as (folder, preexec).
+    Without mount rights: an ordinary folder and a 2 MiB file size limit for the command (its
+    writes then fail as on a full disk, with EFBIG; SIGXFSZ is ignored so they fail, not kill)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)],
+                             capture_output=True).returncode == 0 if os.geteuid() == 0 else False
+    if mounted:
+        try:
+            yield folder, None
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+        return
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+
+    yield folder, limit
+
+
+def cli(ws, *args, prefix=(), env=None, preexec=None) -> subprocess.CompletedProcess:
+    from test_separate import REPO, TIERSEP
+
+    cmd = [*prefix, TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]),
+           "--device", "cpu", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, preexec_fn=preexec,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+# ------------------------------------------------------------------------------ disk and permissions
+@pytest.mark.parametrize("options", [[], ["--format", "flac", "--bits", "24", "--clip", "clamp"]],
+                         ids=["wav rescale", "flac"])
+def test_a_disk_that_fills_up_fails_the_song_in_one_line_with_no_half_file(ws, tmp_path, options):
+    song = tmp_path / "noise.wav"          # 12 s of noise: its 4 stems take 3.4 MB even as flac
+    sf.write(song, np.random.default_rng(0).standard_normal((44100 * 12, 2)).astype(np.float32) * 0.1, 44100)
+    with small_disk(tmp_path) as (disk, preexec):
+        out = disk / "out"
+        # the free-space check would refuse first: pretend the space is there, so the disk fills meanwhile
+        proc = cli(ws, str(song), "--out", str(out), *options,
+                   env={FREE_BYTES_ENV: str(1 << 40)}, preexec=preexec)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = last_line(proc)
+        stem = r"\w+\.flac" if options else r"\w+\.wav"       # whichever stem's write met the full disk
+        full = (rf"no space left on {re.escape(str(out))}/noise \(\d+ KiB free\); free some space or give "
+                r"--out on another disk$")
+        limited = r"cannot write it \(.+\); the file size limit of this process is 2097152 bytes \(ulimit -f\)$"
+        assert re.search(rf"^tiersep separate: error: \S+/noise\.wav: {re.escape(str(out))}/noise/"
+                         rf"{stem}: ({full if preexec is None else limited})", line), line
+        assert everything(out) == [] and not temporaries(out)
+
+
+def test_a_song_whose_stems_do_not_fit_the_free_space_is_refused_before_it_starts(ws, songs, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.wav").write_bytes((songs / "nested" / "stereo 44k.flac").read_bytes())
+    out = tmp_path / "out"
+    proc = run(ws, str(songs / "nested" / "stereo 44k.flac"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    need = sum(p.stat().st_size for p in (out / "stereo 44k").glob("*.wav"))
+    # 4 float32 temporaries (rescale) and one 16-bit stem: 4 x 4 + 2 bytes a sample, vs 4 x 2 written
+    proc = cli(ws, str(songs / "short.wav"), str(folder / "a.wav"), "--out", str(tmp_path / "out2"),
+               env={FREE_BYTES_ENV: str(20 << 20)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"error: 1 of 2 songs failed: \S+/a\.wav: not enough free disk space: writing its 4 stems needs about "
+                     r"(\d+\.\d) MiB \(\+ 16\.0 MiB margin\) but \S+ has 20\.0 MiB free; free some space", last_line(proc))
+    booked = float(re.search(r"needs about (\d+\.\d) MiB", last_line(proc)).group(1)) * 2**20
+    assert booked >= need * 18 / 8 * 0.99        # the rescale temporaries are booked, not only the stems
+    assert (tmp_path / "out2" / "short" / "vocals.wav").is_file()     # the song that fits was written
+    assert not (tmp_path / "out2" / "a").exists() and not temporaries(tmp_path / "out2")
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and not WITHOUT_DAC, reason="unreachable")
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_model_loads(ws, songs, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    song = str(songs / "short.wav")
+    try:
+        proc = cli(ws, song, "--out", str(locked), prefix=WITHOUT_DAC)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.fullmatch(rf"tiersep separate: error: --out {re.escape(str(locked))}: cannot be written "
+                            r"\(permission denied\); give a folder you can write", last_line(proc))
+        assert MODEL_LOADED not in proc.stderr
+        new = locked / "new"
+        proc = cli(ws, song, "--out", str(new), prefix=WITHOUT_DAC)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.fullmatch(rf"tiersep separate: error: --out {re.escape(str(new))}: cannot be made: "
+                            rf"{re.escape(str(locked))} cannot be written \(permission denied\); give a folder "
+                            r"you can write", last_line(proc))
+        assert os.listdir(locked) == []
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_writable_output_folder_in_a_parent_that_is_not_is_separated(ws, songs, tmp_path):
+    scratch = tmp_path / "scratch"                      # /scratch/$USER/out: the parent is someone else's
+    out = scratch / "out"
+    out.mkdir(parents=True)
+    scratch.chmod(0o555)
+    try:
+        proc = cli(ws, str(songs / "short.wav"), "--out", str(out), prefix=WITHOUT_DAC)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(os.listdir(scratch)) == ["out"]    # the lock is inside --out, not beside it
+        assert (out / ".tiersep.lock").is_file() and (out / "short" / "vocals.wav").is_file()
+    finally:
+        scratch.chmod(0o755)
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_whole_command(ws, songs, tmp_path):
+    from tiersep.outputs import claim, exclusive
+
+    out = claim(tmp_path / "out", "separate")
+    command = [sys.argv[0], "--an-option-to-make-the-command-long", *(f"argument-{i}" for i in range(30))]
+    saved, sys.argv = sys.argv, command
+    try:
+        with exclusive(out, inside=True):                # a first run holding the folder (a real flock)
+            proc = run(ws, str(songs / "short.wav"), "--out", str(out))
+    finally:
+        sys.argv = saved
+    assert proc.returncode == 5
+    line = last_line(proc)
+    assert re.search(rf"--out \S+/out: in use by pid {os.getpid()} on .*: {re.escape(' '.join(command))}\); wait for "
+                     r"it to finish \(the lock is \S+/out/\.tiersep\.lock", line), line
+    assert MODEL_LOADED not in proc.stderr and everything(out) == []
+
+
+# ------------------------------------------------------------------------------ names and reruns
+def test_a_file_name_that_makes_no_output_path_fails_that_song_alone(ws, songs, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "...mp3").write_bytes((songs / "nested" / "mono 22k.mp3").read_bytes())   # its song name: '..'
+    (folder / "good.wav").write_bytes((songs / "short.wav").read_bytes())
+    out = tmp_path / "out"
+    proc = cli(ws, str(folder / "...mp3"), str(folder / "good.wav"), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"error: 1 of 2 songs failed: \S+/in/\.\.\.mp3: its name cannot make an output path "
+                     r"\(--filename '\{song\}/\{stem\}\.\{ext\}': gives '\.\./vocals\.wav', which is not a path inside --out\); rename the file$", last_line(proc))
+    assert (out / "good" / "vocals.wav").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["in", "out"] and sorted(os.listdir(folder)) == ["...mp3", "good.wav"]
+
+
+def test_an_input_folder_that_is_the_output_folder_is_refused_naming_out(ws, songs, tmp_path):
+    music = tmp_path / "music"
+    music.mkdir()
+    (music / "a.wav").write_bytes((songs / "short.wav").read_bytes())
+    for out in (music, music / ".." / "music"):
+        proc = cli(ws, str(music), "--out", str(out))
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.fullmatch(rf"tiersep separate: error: --out {re.escape(str(out))}: the INPUT folder "
+                            rf"{re.escape(str(music))} is it; give the stems a folder of their own \(it may be "
+                            r"inside the INPUT folder\)", last_line(proc))
+    proc = cli(ws, str(music / "sub"), "--out", str(music))          # an input inside --out: refused too
+    assert proc.returncode == 2 and "INPUT" in last_line(proc)
+    assert sorted(os.listdir(music)) == ["a.wav"]
+
+
+def test_a_rerun_with_other_stems_leaves_the_folder_matching_its_sidecar(ws, songs, tmp_path):
+    out = tmp_path / "out"
+    song = songs / "short.wav"
+    assert run(ws, str(song), "--out", str(out)).returncode == 0
+    (out / "short" / "my notes.txt").write_text("mine")                  # the user's: never removed
+    proc = run(ws, str(song), "--out", str(out), "--stems", "vocals")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = sidecar(out, "short")
+    assert sorted(os.listdir(out / "short")) == ["my notes.txt", "no_vocals.wav", "separate.json", "vocals.wav"]
+    assert record["stems"] == {"vocals": str(out / "short" / "vocals.wav"),
+                               "no_vocals": str(out / "short" / "no_vocals.wav")}
+    assert record["input"] == str(song) and record["model"] == str(ws["model"])
+    assert all(os.path.isabs(p) for p in (record["input"], record["model"], *record["stems"].values()))
+    # and back to every stem: no_vocals goes, as the new sidecar lists only the four
+    assert run(ws, str(song), "--out", str(out)).returncode == 0
+    assert sorted(os.listdir(out / "short")) == ["bass.wav", "drums.wav", "my notes.txt", "other.wav",
+                                                  "separate.json", "vocals.wav"]
+
+
+def test_stems_follow_the_umask(ws, songs, tmp_path):
+    out = tmp_path / "out"
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        proc = cli(ws, str(songs / "short.wav"), "--out", str(out / oct(mask)), preexec=lambda m=mask: os.umask(m))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for path in (out / oct(mask) / "short").iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == mode, (path, oct(path.stat().st_mode))
+
+
+def test_a_second_writer_while_the_first_loads_its_model_is_refused_at_once(ws, songs, tmp_path):
+    """An earlier separate's --out is held from before the model loads: a second run started then
+    stops at once, and the first goes on."""
+    from test_separate import REPO, TIERSEP
+
+    out = tmp_path / "out"
+    assert run(ws, str(songs / "short.wav"), "--out", str(out)).returncode == 0
+    song = tmp_path / "long.wav"                        # the first run lasts well beyond the second's start
+    sf.write(song, np.random.default_rng(0).standard_normal((8000 * 20, 2)).astype(np.float32) * 0.1, 8000)
+    cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]), "--device", "cpu",
+           str(song), "--out", str(out), "--chunk", "1", "--batch", "1"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lock = out / ".tiersep.lock"
+    import json
+    import time
+
+    deadline = time.time() + 60
+    while time.time() < deadline:                       # the first run wrote itself into the lock
+        try:
+            if json.loads(lock.read_text() or "{}").get("pid") == first.pid:
+                break
+        except ValueError:
+            pass
+        time.sleep(0.05)
+    second = run(ws, str(songs / "short.wav"), "--out", str(out))
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
+    assert second.returncode == 5, second.stderr[-3000:]
+    assert re.search(rf"in use by pid {first.pid} on .*: {re.escape(' '.join(cmd))}\); wait for it",
+                     last_line(second)), last_line(second)
+    assert MODEL_LOADED not in second.stderr
