@@ -1,4 +1,5 @@
-"""Shared fixtures: a throw-away copy of the workflow to run the real `snakemake` in."""
+"""Shared fixtures: a throw-away copy of the workflow to run the real `snakemake` in, and one tiny
+pipeline run to the end once per session that tests copy instead of running it again."""
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,29 @@ def run_snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | N
 @pytest.fixture
 def workflow_copy(tmp_path: Path) -> Path:
     return copy_workflow(tmp_path / "wf")
+
+
+# tiny.yaml plus a second trained tier that the CPU refuses as GPU-sized (the end-to-end test's run)
+FINISHED_CONFIG = ["--configfile", "tests/configs/tiny.yaml", "tests/configs/with_refused_tier.yaml"]
+FINISHED_RUN = ["--cores", "2", "--resources", "gpu=1", *FINISHED_CONFIG]
+
+
+@pytest.fixture(scope="session")
+def finished_tree(tmp_path_factory) -> Path:
+    """A workflow copy run once through every rule with FINISHED_RUN (about 3-4 minutes on 2 busy
+    cores), for the tests that need a prepared, trained tree: tests/test_pipeline_e2e.py probes it in
+    place and leaves it finished; a test that would leave it otherwise works on copy_finished()."""
+    wf = copy_workflow(tmp_path_factory.mktemp("finished") / "wf")
+    run_snakemake(wf, *FINISHED_RUN, timeout=900)
+    return wf
+
+
+def copy_finished(tree: Path, dest: Path) -> Path:
+    """A copy of a finished workflow tree, .snakemake/ included: copytree's copy2 keeps every file's
+    and folder's modification time, which Snakemake compares. The report alone is out of date in
+    the copy: its inputs name the captions by absolute path, and the path changed."""
+    shutil.copytree(tree, dest, symlinks=True)
+    return dest
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """The real `snakemake` on a tiny config, through every rule to the report (issue: pipeline spine).
 
-One workflow copy is run once (module-scoped) and then probed: contract files, a tier the fit gate
-refuses shown as refused while the run finishes, a second run that does nothing, `snakemake report`
-rebuilding only the report, dry-run and lint."""
+One workflow copy is run once (conftest's session-scoped finished_tree) and then probed: contract
+files, a tier the fit gate refuses shown as refused while the run finishes, a second run that does
+nothing, `snakemake report` rebuilding only the report, dry-run and lint."""
 from __future__ import annotations
 
 import json
@@ -14,18 +14,16 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import BIN, FINISHED_CONFIG, FINISHED_RUN, REPO, TINY_CONFIG, copy_finished, run_snakemake
 
 pytestmark = pytest.mark.slow
-CONFIG = ["--configfile", "tests/configs/tiny.yaml", "tests/configs/with_refused_tier.yaml"]
-RUN = ["--cores", "2", "--resources", "gpu=1", *CONFIG]
+CONFIG = FINISHED_CONFIG
+RUN = FINISHED_RUN
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    wf = copy_workflow(tmp_path_factory.mktemp("e2e") / "wf")
-    run_snakemake(wf, *RUN, timeout=900)
-    return wf
+def finished(finished_tree):
+    return finished_tree
 
 
 def test_dry_run_lists_every_stage(workflow_copy):
@@ -102,15 +100,22 @@ def test_a_refused_tier_is_an_outcome_not_a_crash(finished):
     assert "refused" in section.lower() and "GPU-sized" in html
 
 
-def test_on_oversize_fail_stops_the_run(workflow_copy):
-    """The strict choice: the refusal fails the train job (exit 3) and the run stops."""
+def test_on_oversize_fail_stops_the_run(finished_tree, tmp_path):
+    """The strict choice: the refusal fails the train job (exit 3) and the run stops.
+    Run in a copy of the finished tree without test_gpu_sized's train outcome and log, so only that
+    train job runs: preparing data and estimating in a fresh copy, which this test is not about,
+    made it 42 s (now 16 s, 2 busy cores)."""
+    wf = copy_finished(finished_tree, tmp_path / "wf")
+    shutil.rmtree(wf / "results" / "train" / "test_gpu_sized")
+    (wf / "logs" / "train" / "test_gpu_sized.log").unlink()   # the log checked below is this run's
     target = "results/train/test_gpu_sized/outcome.json"
-    proc = run_snakemake(workflow_copy, target, "--cores", "2", "--resources", "gpu=1", *CONFIG,
+    proc = run_snakemake(wf, target, "--cores", "2", "--resources", "gpu=1", *CONFIG,
                          "--config", "on_oversize=fail", check=False)
     assert proc.returncode != 0
-    log = (workflow_copy / "logs" / "train" / "test_gpu_sized.log").read_text()
+    assert "rule prepare:" not in proc.stdout and "rule estimate:" not in proc.stdout, proc.stdout[-3000:]
+    log = (wf / "logs" / "train" / "test_gpu_sized.log").read_text()
     assert "refused: preset test_gpu_sized is GPU-sized" in log
-    assert not (workflow_copy / "results" / "train" / "test_gpu_sized" / "outcome.json").exists()
+    assert not (wf / "results" / "train" / "test_gpu_sized" / "outcome.json").exists()
 
 
 def test_second_run_does_nothing(finished):

@@ -8,14 +8,18 @@ import pytest
 import soundfile as sf
 import yaml
 
-from conftest import copy_workflow, run_snakemake
+from conftest import copy_finished, run_snakemake
 
 STEMS = ["vocals", "drums", "bass", "other"]
 
 
 @pytest.mark.slow
-def test_the_separate_target_separates_every_song_with_every_trained_tier(tmp_path):
-    work = copy_workflow(tmp_path / "wf")
+def test_the_separate_target_separates_every_song_with_every_trained_tier(finished_tree, tmp_path):
+    # A copy of the session's finished tiny run (conftest.finished_tree, shared with
+    # tests/test_pipeline_e2e.py), run here on this test's own config: its prepared data is reused
+    # (the prepare job's params are the same), while estimate, train and every job below them run as
+    # from scratch, since the estimated tiers differ. Saves the config and prepare jobs (about 25 s).
+    work = copy_finished(finished_tree, tmp_path / "wf")
     songs = tmp_path / "my music"
     (songs / "album").mkdir(parents=True)
     rng = np.random.default_rng(0)
