@@ -64,9 +64,12 @@ def test_a_dry_run_writes_the_shared_format_and_says_what_it_skipped(bench, dry_
 
 
 def test_a_measure_job_writes_a_row_the_evidence_could_read(bench, tmp_path):
-    job = dict(bench.plan(type("A", (), {"commit": "c0ffee", "dry_run": True, "reference": None})())[6])
-    assert (job["name"], job["kind"], job["mode"]) == ("small bf16 math", "measure", "expandable")
+    plan = bench.plan(type("A", (), {"commit": "c0ffee", "dry_run": True, "reference": None})())
+    job = next(dict(j) for j in plan if (j["name"], j["kind"], j["mode"]) == ("small bf16 math", "measure", "expandable"))
     row = bench.run_job(job, tmp_path)["row"]
+    assert row["held_out"] is False
+    held_out = bench.run_job(dict(plan[0]), tmp_path)["row"]      # the held-out rows come first
+    assert held_out["held_out"] is True and held_out["name"].startswith("held-out")
     assert row["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and row["commit"] == "c0ffee"
     assert row["preset"] == "cpu_tiny" and row["stands_for"] == "small" and row["dry_run"] is True
     assert row["cpu_live_peak_bytes"] > 0 and "max_memory_allocated" not in row     # no GPU counter
