@@ -384,11 +384,11 @@ def _gpu() -> dict:
 
     if not torch.cuda.is_available():
         sys.exit("gpu_evidence: torch sees no CUDA device (--dry-run runs the plan on a CPU)")
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True)
-    driver, total = (smi.stdout.strip().split(", ") + [None, None])[:2] if smi.returncode == 0 else (None, None)
+    from tiersep import gpu_info
+
     return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "driver": driver, "memory_total": total, "python": sys.version.split()[0]}
+            "driver": gpu_info.driver_version(), "memory_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "python": sys.version.split()[0]}
 
 
 def plan(args) -> list[dict]:

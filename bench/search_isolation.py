@@ -64,8 +64,8 @@ def spread(values: list[int]) -> tuple[int, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=30, help="trials in the study (default 30)")
-    parser.add_argument("--workdir", type=Path, help="where the search runs (default: a new temporary folder)")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder afterwards")
+    parser.add_argument("--workdir", type=Path, help="where the search runs, kept afterwards (default: a new temporary folder, removed when all is well)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary work folder afterwards")
     args = parser.parse_args(argv)
 
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="tiersep-isolation-"))).resolve()
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and relative <= TARGET_SPREAD
     device = {run.get("device_type") for run in runs}
     print(f"device: {', '.join(sorted(map(str, device))) or 'none'}")
-    if not args.keep and ok:
+    if not args.keep and ok and args.workdir is None:    # only the temporary folder it made itself
         shutil.rmtree(workdir)
     return 0 if ok else 1
 
