@@ -76,4 +76,75 @@ def test_the_report_shows_the_uncertainty_with_its_class(record):
     unknown = dict(record, uncertainty=0.1, uncertainty_class=dict(record["uncertainty_class"], step="compiled"),
                    uncertainty_evidence="no GPU measurement of this class (...): booked conservatively at 10%")
     assert _uncertainty(Tier("x", "tier", estimate=unknown)) == "±10.0 % (fused, expandable, compiled; no evidence)"
+    fitted = dict(unknown, uncertainty_evidence=(
+                  "no out-of-sample GPU measurement of this class (...): booked conservatively at 10%"))
+    assert _uncertainty(Tier("y", "tier", estimate=fitted)) == "±10.0 % (fused, expandable, compiled; none out of sample)"
     assert _uncertainty(Tier("cpu", "tier", estimate={"uncertainty": 0.03})) == "±3.0 %"      # cpu: no class
+
+
+def _row(name, folder, reserved, device, preset="small", set_=None):
+    return {"name": name, "folder": folder, "source": "m.jsonl", "preset": preset, "set": set_ or {},
+            "expandable_segments": False, "compiled": False, "max_memory_allocated": reserved,
+            "max_memory_reserved": reserved, "device_used_bytes": device}
+
+
+def _record(reserved, context, **cls):
+    return {"reserved_peak_bytes": reserved, "allocated_peak_bytes": reserved, "peak_bytes": reserved + context,
+            "attention_backend": cls.get("attention", "flash"), "checkpointing": cls.get("checkpointing", False),
+            "allocator": {"expandable_segments": False}, "compiled": False}
+
+
+def test_out_of_sample_refits_the_context_without_the_row_and_keeps_rule_rows_in_sample():
+    """Issue 34: a figure fitted on rows is refitted without the row it is judged on. The context
+    fitted as the largest outside-reserved use (here 300, seen only in row c) is 200 for c left out,
+    so c's out-of-sample error is below its in-sample one; a configuration the workspace rules were
+    read off has no out-of-sample error at all; a folder whose context was measured apart (calibrate)
+    keeps its error."""
+    from tiersep.memory import evidence
+
+    fitted = next(iter(evidence.CONTEXT_FITTED_ON))
+    rows = [_row("a", fitted, 1000, 1200), _row("b", fitted, 2000, 2200), _row("c", fitted, 3000, 3300),
+            _row("logged", fitted, 1000, 1200, set_={"model.checkpointing": True}),
+            _row("apart", "h200-x", 1000, 1300)]
+    records = {evidence.row_id(r): _record(r["max_memory_reserved"], 300) for r in rows}
+    oos = evidence.out_of_sample(rows, records, rules_from=[("small", '{"model.checkpointing": true}')])
+    assert oos[evidence.row_id(rows[0])][0] == pytest.approx(1300 / 1200 - 1, abs=1e-5)     # still meets 300 in c
+    assert oos[evidence.row_id(rows[2])][0] == pytest.approx(3200 / 3300 - 1, abs=1e-5)     # c left out: 200
+    assert oos[evidence.row_id(rows[3])] == (None, ["context_bytes (refitted leaving it out)",
+                                                    "workspace rules (read off its event log)"])
+    assert oos[evidence.row_id(rows[4])] == (0.0, [])
+    alone = evidence.out_of_sample(rows[:1], {evidence.row_id(rows[0]): records[evidence.row_id(rows[0])]}, [])
+    assert alone[evidence.row_id(rows[0])] == (None, ["context_bytes (no other row to refit it on)"])
+    built = evidence.build(rows, records, rules_from=[("small", '{"model.checkpointing": true}')])
+    (entry,) = built["classes"]
+    assert entry["uncertainty"] == accuracy.uncertainty_of_errors([0.08333, 0.04545, -0.0303, 0.0])
+    assert entry["uncertainty"] == pytest.approx(0.031)       # c's out-of-sample -3.03%, not its in-sample 0%
+
+
+def test_a_class_with_no_out_of_sample_row_books_the_conservative_figure_and_says_so(monkeypatch):
+    from tiersep.memory import evidence
+
+    fitted = next(iter(evidence.CONTEXT_FITTED_ON))
+    rows = [_row("logged", fitted, 1000, 1000)]
+    records = {evidence.row_id(rows[0]): _record(1000, 0)}
+    built = evidence.build(rows, records, rules_from=[("small", "{}")])
+    (entry,) = built["classes"]
+    assert entry["uncertainty"] == accuracy.NO_EVIDENCE_UNCERTAINTY
+    assert entry["leave_one_out"] == {"covered": 0, "of": 0, "worst_gap": 0.0}
+    cls = entry["class"]
+    monkeypatch.setattr(accuracy, "load_evidence", lambda: {accuracy.class_key(cls): entry})
+    u, why = accuracy.uncertainty(cls)
+    assert u == accuracy.NO_EVIDENCE_UNCERTAINTY and "no out-of-sample GPU measurement" in why
+    assert accuracy.worst_under(cls) == 0.0     # the in-sample row still counts as evidence of an error
+
+
+def test_the_shipped_evidence_books_only_out_of_sample_errors():
+    """accuracy_evidence.json as the estimate reads it: each class's uncertainty is computed from its
+    out-of-sample errors, and the six rows of the logged configurations have none."""
+    classes = accuracy.load_evidence().values()
+    in_sample = [c["name"] for e in classes for c in e["configurations"] if c["out_of_sample_error"] is None]
+    assert len(in_sample) == 6, in_sample
+    for entry in classes:
+        errors = [c["out_of_sample_error"] for c in entry["configurations"] if c["out_of_sample_error"] is not None]
+        assert entry["uncertainty"] == (accuracy.uncertainty_of_errors(errors) if errors
+                                        else accuracy.NO_EVIDENCE_UNCERTAINTY)

@@ -59,7 +59,9 @@ def _uncertainty(tier: Tier) -> str:
     if not isinstance(cls, dict):
         return f"±{float(value) * 100:.1f} %"
     ckpt = ", checkpointed" if cls.get("checkpointing") else ""
-    none = "; no evidence" if "no GPU measurement" in str(estimate.get("uncertainty_evidence")) else ""
+    evidence = str(estimate.get("uncertainty_evidence"))
+    none = "; no evidence" if "no GPU measurement" in evidence else \
+        "; none out of sample" if "no out-of-sample" in evidence else ""
     return f"±{float(value) * 100:.1f} % ({cls.get('attention')}{ckpt}, {cls.get('allocator')}, {cls.get('step')}{none})"
 
 
