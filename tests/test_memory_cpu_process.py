@@ -463,3 +463,17 @@ def test_booking_covers_random_presets_trained_for_real(random_trained, name):
     assert booking["run_rss_bytes"] >= run["peak_rss_bytes"], (
         f"{said}: {booking['run_rss_bytes'] / MIB:.0f} MiB before exit vs the run's own peak "
         f"{run['peak_rss_bytes'] / MIB:.0f} MiB")
+    # Where the estimate matters (issue 34, item 2): the live bytes are most of the booking, and the
+    # run's growth above the process allowance (before exit) is judged against the booking's
+    # factor x live bytes part, the part the estimator decides. Measured here (2026-11-27, 2 busy
+    # cores): 0.816 (accumulating: 870 MiB grown for 1.5 x 711 MiB) and 0.742 (checkpointed: 613 MiB
+    # for 1.5 x 550); earlier runs' peaks put the checkpointed one at 0.69-0.76. Above 1 the booking
+    # misses; the lower bounds are the measured spread plus the CI machine's margin, so a live
+    # estimate far too high fails as well.
+    above = booking["process_bytes"] - booking["exit_pages_bytes"]
+    live_part = booking["live_factor"] * booking["live_bytes"]
+    assert live_part / booking["run_rss_bytes"] >= 0.5, f"{said}: the live bytes are not a real share of it"
+    growth = (run["peak_rss_bytes"] - above) / live_part
+    low = {"accumulating": 0.70, "checkpointed": 0.60}[name]
+    assert low <= growth <= 1.0, (f"{said}: the run grew {(run['peak_rss_bytes'] - above) / MIB:.0f} MiB above the "
+                                  f"{above / MIB:.0f} MiB process, {growth:.3f} x the booked live part")
