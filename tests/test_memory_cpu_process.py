@@ -466,8 +466,8 @@ def test_booking_covers_random_presets_trained_for_real(random_trained, name):
     # Where the estimate matters (issue 34, item 2): the live bytes are most of the booking, and the
     # run's growth above the process allowance (before exit) is judged against the booking's
     # factor x live bytes part, the part the estimator decides. Measured here (2026-11-27, 2 busy
-    # cores, 2 runs): 0.816-0.847 (accumulating: 870-903 MiB grown for 1.5 x 711 MiB) and 0.742-0.766 (checkpointed: 613-633 MiB
-    # for 1.5 x 550); earlier runs' peaks put the checkpointed one at 0.69-0.76. Above 1 the booking
+    # cores, 2 runs): 0.816-0.847 (accumulating: 870-903 MiB grown for 1.5 x 711 MiB) and
+    # 0.742-0.766 (checkpointed: 613-633 MiB for 1.5 x 550); earlier runs' peaks put the checkpointed one at 0.69-0.76. Above 1 the booking
     # misses; the lower bounds are the measured spread plus the CI machine's margin, so a live
     # estimate far too high fails as well.
     above = booking["process_bytes"] - booking["exit_pages_bytes"]
