@@ -11,7 +11,6 @@ import signal
 import stat
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import soundfile as sf
 
 from tiersep.data.prepare import FREE_BYTES_ENV
 
-from test_separate import last_line, run, sidecar, songs, temporaries, ws  # noqa: F401 (fixtures)
+from test_separate import STEMS, last_line, run, sidecar, songs, synthetic_song, temporaries, ws  # noqa: F401 (fixtures)
 
 # As root, the DAC capabilities make every folder writable; setpriv drops them from the bounding
 # set so the command it starts meets the permissions a user meets (as tests/test_prepare_safety.py).
@@ -96,15 +95,16 @@ def test_a_song_whose_stems_do_not_fit_the_free_space_is_refused_before_it_start
     out = tmp_path / "out"
     proc = run(ws, str(songs / "nested" / "stereo 44k.flac"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    need = sum(p.stat().st_size for p in (out / "stereo 44k").glob("*.wav"))
-    # 4 float32 temporaries (rescale) and one 16-bit stem: 4 x 4 + 2 bytes a sample, vs 4 x 2 written
+    need = sum(p.stat().st_size for p in (out / "stereo 44k").glob("*.wav"))       # 2.0 MiB
+    # 18 MiB free: the 16 MiB margin and less than the stems
     proc = cli(ws, str(songs / "short.wav"), str(folder / "a.wav"), "--out", str(tmp_path / "out2"),
-               env={FREE_BYTES_ENV: str(20 << 20)})
+               env={FREE_BYTES_ENV: str(18 << 20)})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert re.search(r"error: 1 of 2 songs failed: \S+/a\.wav: not enough free disk space: writing its 4 stems needs about "
-                     r"(\d+\.\d) MiB \(\+ 16\.0 MiB margin\) but \S+ has 20\.0 MiB free; free some space", last_line(proc))
+                     r"(\d+\.\d) MiB \(\+ 16\.0 MiB margin\) but \S+ has 18\.0 MiB free; free some space", last_line(proc))
     booked = float(re.search(r"needs about (\d+\.\d) MiB", last_line(proc)).group(1)) * 2**20
-    assert booked >= need * 18 / 8 * 0.99        # the rescale temporaries are booked, not only the stems
+    # the stems (each with a header allowance), whatever the clip mode: rescale keeps no float32 copies
+    assert need * 0.98 <= booked <= need * 1.2
     assert (tmp_path / "out2" / "short" / "vocals.wav").is_file()     # the song that fits was written
     assert not (tmp_path / "out2" / "a").exists() and not temporaries(tmp_path / "out2")
 
@@ -222,34 +222,104 @@ def test_stems_follow_the_umask(ws, songs, tmp_path):
             assert stat.S_IMODE(path.stat().st_mode) == mode, (path, oct(path.stat().st_mode))
 
 
-def test_a_second_writer_while_the_first_loads_its_model_is_refused_at_once(ws, songs, tmp_path):
-    """An earlier separate's --out is held from before the model loads: a second run started then
-    stops at once, and the first goes on."""
+# ------------------------------------------------------------------------------ what a song holds on disk
+def as_written(stems: np.ndarray, gain: float) -> np.ndarray:
+    """What a 16-bit wav holds of float32 stems [n, C] times `gain` (libsndfile's own rounding)."""
+    import io
+
+    buffer = io.BytesIO()
+    sf.write(buffer, stems * np.float32(gain), 44100, subtype="PCM_16", format="WAV")
+    buffer.seek(0)
+    return sf.read(buffer, dtype="int16")[0]
+
+
+def test_rescale_holds_no_more_disk_than_the_stems_and_writes_what_it_did(ws, tmp_path):
+    """--clip rescale (the default) on a real 2 MiB tmpfs: the stems of a song beyond full scale take
+    1.1 MB there, the float32 temporaries it used to write beside them 2.5 MB (the disk would fill).
+    Each sample is still the computed one (as --clip none --bits 32f writes it) times the song's
+    gain, rounded once: a loud song is written twice (its first pass finds the gain), a quiet one once."""
+    track = synthetic_song(1.6, 44100, seed=2)["mixture"]
+    loud, quiet = tmp_path / "loud.wav", tmp_path / "quiet.wav"
+    sf.write(loud, 8 * track[:70000], 44100, subtype="FLOAT")
+    sf.write(quiet, 0.05 * track[:20000], 44100, subtype="FLOAT")
+    common = [str(loud), str(quiet), "--chunk", "1", "--batch", "1"]
+    raw = cli(ws, *common, "--out", str(tmp_path / "raw"), "--clip", "none", "--bits", "32f")
+    assert raw.returncode == 0, raw.stderr[-3000:]
+    with small_disk(tmp_path) as (disk, preexec):
+        if preexec is not None:
+            pytest.skip("needs a real tmpfs (mount): a file size limit does not bound the disk a song holds")
+        out = disk / "out"
+        proc = cli(ws, *common, "--out", str(out), env={FREE_BYTES_ENV: str(1 << 40)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert re.search(r"\[1/2\] loud: its stems went beyond full scale: separating it again, scaled by 0\.\d+",
+                         proc.stderr)
+        for song, passes in (("loud", 2), ("quiet", 1)):
+            report = sidecar(out, song)["clipping"]
+            computed = sidecar(tmp_path / "raw", song)["clipping"]["stems"]
+            peak = max(s["peak"] for s in computed.values())
+            assert report["passes"] == passes and report["stems"] == computed
+            assert report["gain"] == (pytest.approx(1 / (1.01 * peak)) if passes == 2 else 1.0)
+            assert (peak > 1.0) == (passes == 2)
+            for stem in STEMS:
+                written = sf.read(out / song / f"{stem}.wav", dtype="int16")[0]
+                stems = sf.read(tmp_path / "raw" / song / f"{stem}.wav", dtype="float32")[0]
+                np.testing.assert_array_equal(written, as_written(stems, report["gain"]))
+        assert not temporaries(out)
+
+
+def test_a_disk_that_fills_up_with_the_sidecar_leaves_no_stem_without_it(ws, songs, tmp_path):
+    """The sidecar is written before any stem is renamed: a real tmpfs with room for exactly the
+    stems (and tiersep's stamp and lock) fails the song whole, in one line, with nothing left."""
+    song = str(songs / "short.wav")
+    pretend = {FREE_BYTES_ENV: str(1 << 40)}       # past the free-space check's 16 MiB margin
+    clamp = ("--clip", "clamp")                     # one pass whatever the song's peak: the runs match
+    with small_disk(tmp_path) as (disk, preexec):
+        if preexec is not None:
+            pytest.skip("needs a real tmpfs (mount) to fill to the page")
+        out = disk / "out"
+
+        def free() -> int:
+            stats = os.statvfs(disk)
+            return stats.f_bavail * stats.f_frsize
+
+        empty = free()
+        proc = cli(ws, song, "--out", str(out), *clamp, env=pretend)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        used = empty - free()
+        sidecar_bytes = (out / "short" / "separate.json").stat().st_blocks * 512
+        assert 0 < sidecar_bytes < used
+        subprocess.run(["rm", "-r", str(out)], check=True)
+        with open(disk / "filler", "wb") as filler:       # leaves free what the run used, but its sidecar
+            filler.write(b"\0" * (empty - (used - sidecar_bytes)))
+        assert free() == used - sidecar_bytes
+        proc = cli(ws, song, "--out", str(out), *clamp, env=pretend)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.fullmatch(rf"tiersep separate: error: \S+/short\.wav: {re.escape(str(out))}/short/separate\.json: "
+                            rf"no space left on {re.escape(str(out))}/short \(0 KiB free\); free some space or give "
+                            r"--out on another disk", last_line(proc)), last_line(proc)
+        assert everything(out) == [] and not temporaries(out)
+        assert not out.exists()                   # the run made --out and wrote nothing: it is gone again
+
+
+def test_two_runs_racing_for_a_new_output_folder_one_is_refused_before_its_model_loads(ws, tmp_path):
+    """Both start together (a barrier file) on an --out that does not exist yet: the one that takes
+    the lock separates, the other is refused at once (exit 5), before it loads its model."""
     from test_separate import REPO, TIERSEP
 
-    out = tmp_path / "out"
-    assert run(ws, str(songs / "short.wav"), "--out", str(out)).returncode == 0
-    song = tmp_path / "long.wav"                        # the first run lasts well beyond the second's start
+    song = tmp_path / "long.wav"                        # long enough that the winner outlasts the loser's start
     sf.write(song, np.random.default_rng(0).standard_normal((8000 * 20, 2)).astype(np.float32) * 0.1, 8000)
+    out, go = tmp_path / "new" / "out", tmp_path / "go"
     cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]), "--device", "cpu",
            str(song), "--out", str(out), "--chunk", "1", "--batch", "1"]
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lock = out / ".tiersep.lock"
-    import json
-    import time
-
-    deadline = time.time() + 60
-    while time.time() < deadline:                       # the first run wrote itself into the lock
-        try:
-            if json.loads(lock.read_text() or "{}").get("pid") == first.pid:
-                break
-        except ValueError:
-            pass
-        time.sleep(0.05)
-    second = run(ws, str(songs / "short.wav"), "--out", str(out))
-    assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
-    assert second.returncode == 5, second.stderr[-3000:]
-    assert re.search(rf"in use by pid {first.pid} on .*: {re.escape(' '.join(cmd))}\); wait for it",
-                     last_line(second)), last_line(second)
-    assert MODEL_LOADED not in second.stderr
+    barrier = f'while [ ! -e "{go}" ]; do sleep 0.01; done; exec "$@"'
+    runs = [subprocess.Popen(["sh", "-c", barrier, "sh", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    go.touch()
+    results = sorted(((run_.pid, run_.communicate(timeout=300)[1], run_.returncode) for run_ in runs),
+                     key=lambda r: r[2])
+    assert [r[2] for r in results] == [0, 5], [r[1][-2000:] for r in results]
+    (winner, won, _), (_, lost, _) = results
+    assert MODEL_LOADED in won and MODEL_LOADED not in lost
+    assert re.search(rf"--out {re.escape(str(out))}: in use by (pid {winner} on .*: {re.escape(' '.join(cmd))}\)|"
+                     r"another process); wait for it", lost.splitlines()[-1]), lost[-2000:]
+    assert everything(out) == sorted(["long", "long/separate.json", *(f"long/{s}.wav" for s in STEMS)])

@@ -34,8 +34,13 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def to_json(obj: Any) -> str:
+    """`obj` as write_json writes it (numpy and torch values, paths... made plain)."""
+    return json.dumps(obj, indent=2, sort_keys=False, default=_jsonable)
+
+
 def write_json(path: str | Path, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n")
+    write_text(path, to_json(obj) + "\n")
 
 
 def read_json(path: str | Path) -> Any:

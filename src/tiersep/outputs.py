@@ -12,7 +12,7 @@ The rules (docs/safety.md):
   inside it (`.tiersep.lock`, `inside=True`) for a folder that is only ever added to (separate's:
   its parent, e.g. /scratch/$USER, need not be writable). The kernel drops the lock when the
   process dies, so a lock is never stale. A second writer stops at once naming the holder's pid,
-  host and whole command; `refuse_if_busy` asks the same before any slow work.
+  host and whole command.
 - Temporary names are tiersep's own (`.<name>.<8 random chars>.tmp`, see tiersep.io); one left by
   a killed writer is removed by the next writer of that folder, under the lock, and nothing else.
 - Nothing that holds results is deleted: a run that must start over moves the old one aside
@@ -159,23 +159,6 @@ def check_writable(folder: str | Path, option: str = "--out") -> None:
     if not os.access(where, os.W_OK | os.X_OK):
         what = "cannot be written" if where == folder else f"cannot be made: {where} cannot be written"
         raise OutputRefused(f"{option} {folder}: {what} (permission denied); give a folder you can write")
-
-
-def refuse_if_busy(folder: str | Path, option: str = "--out", inside: bool = False) -> None:
-    """OutputBusy at once when a live process holds `folder`'s lock (the look exclusive() takes
-    later, for real, under the lock); nothing is created."""
-    path = lock_path(folder, inside)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return                 # no lock file: nobody has written there yet (or we cannot tell)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EACCES):
-            raise OutputBusy(_busy(folder, option, fd, path)) from None
-    finally:
-        os.close(fd)           # also releases the shared lock taken to look
 
 
 @contextlib.contextmanager

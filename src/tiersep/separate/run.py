@@ -4,10 +4,11 @@ Up front, before any song is written: the options (formats, filename template), 
 folders searched recursively), the output folder (tiersep.outputs: new, empty or a separate folder;
 one writer at a time), the model (weights-only, its own preset or the one named), each song's probe
 (a song ffmpeg cannot read fails alone), and the plan (chunk and batch under the budget, or a
-refusal naming the estimate). An earlier separate's --out is locked before the model loads, a new
-one is made and locked once the plan fits. Then each song streams through separate/song.py into temporaries
-that are renamed when the song is complete, and a JSON sidecar records how it was made. A failed
-song is reported and the others go on; the command then exits 2 naming the failures.
+refusal naming the estimate). --out is made if new and locked before the model loads (a run that
+writes nothing into a folder it made removes it again). Then each song streams through
+separate/song.py into temporaries that are renamed, with the JSON sidecar that records how it was
+made, when the song is complete. A failed song is reported and the others go on; the command then
+exits 2 naming the failures.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
-from tiersep.outputs import OutputRefused, check, check_writable, claim, exclusive, read_stamp, refuse_if_busy
+from tiersep.outputs import LOCK_INSIDE, STAMP, OutputRefused, check, check_writable, claim, exclusive
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
 from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
@@ -131,25 +132,49 @@ def separate(cfg: dict, opts: Options) -> dict:
     songs = find_songs(opts.inputs, skip=opts.out)
     check(opts.out, "separate")                        # a refused folder before any work
     check_writable(opts.out)
-    with contextlib.ExitStack() as held:
-        # a second writer stops before the model loads: an earlier separate's folder is held from
-        # here on; a new one is made only once the plan fits (a refusal creates nothing)
-        locked = read_stamp(opts.out) is not None and _hold(held, opts.out)
-        if not locked:
-            refuse_if_busy(opts.out, inside=True)
-        return _separate(cfg, opts, songs, held, locked)
+    with _held(opts.out):                              # a second writer stops here, before its model loads
+        return _separate(cfg, opts, songs)
 
 
-def _hold(held: contextlib.ExitStack, out: Path) -> bool:
-    """Make --out separate's folder and hold its lock (inside it: its parent need not be writable)."""
+@contextlib.contextmanager
+def _held(out: Path):
+    """Make --out separate's folder (if new) and hold its lock (inside it: its parent need not be
+    writable) for the block. Two runs racing for a new --out both make it; the lock lets one in and
+    refuses the other at once. A run that made the folder and leaves nothing in it (a refused
+    plan, a bad model, no song written) removes it again: a refusal creates nothing."""
+    made = [p for p in (out, *out.parents) if not p.exists()]   # what claim() is about to make
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive(claim(out, "separate"), inside=True))
+        except OSError as err:
+            raise OutputRefused(f"--out {out}: cannot write it ({_os_error(err)})") from None
+        try:
+            yield
+        finally:
+            if made:
+                _unmake(out, made)
+
+
+def _unmake(out: Path, made: list[Path]) -> None:
+    """Remove --out, made by this run, when it holds only tiersep's stamp and lock (and the folders
+    above it that this run made, when left empty). Called under the lock; the stamp goes first,
+    then the lock file, so a run arriving meanwhile either meets the lock or makes its own."""
     try:
-        held.enter_context(exclusive(claim(out, "separate"), inside=True))
-    except OSError as err:
-        raise OutputRefused(f"--out {out}: cannot write it ({_os_error(err)})") from None
-    return True
+        if set(os.listdir(out)) - {STAMP, LOCK_INSIDE}:
+            return
+    except OSError:
+        return
+    for name in (STAMP, LOCK_INSIDE):
+        with contextlib.suppress(OSError):
+            (out / name).unlink()
+    for folder in made:                  # --out first, then the folders above it
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
-def _separate(cfg: dict, opts: Options, songs: list[Path], held: contextlib.ExitStack, locked: bool) -> dict:
+def _separate(cfg: dict, opts: Options, songs: list[Path]) -> dict:
     model, preset, step = load_separator(opts.model, opts.preset)
     sources = list(preset["model"]["sources"])
     if opts.stems is not None and opts.stems not in sources:
@@ -173,8 +198,6 @@ def _separate(cfg: dict, opts: Options, songs: list[Path], held: contextlib.Exit
 
     probe_ = MemoryProbe(device)
     records = []
-    if not locked:
-        _hold(held, opts.out)
     for number, (song, info) in enumerate(infos.items(), 1):
         try:
             records.append(_one_song(model, preset, step, info, paths[song], settings, opts, plan, probe_,
@@ -275,54 +298,78 @@ def _apply_malloc(plan) -> dict | None:
 
 
 def _one_song(model, preset, step, info, paths, settings, opts, plan, probe_, malloc, title) -> dict:
-    from tiersep.io import write_json
+    from tiersep.io import to_json
     from tiersep.probe import versions
 
     began = time.perf_counter()
     sidecar = paths.pop(SIDECAR_KEY)
     check_song_space(info, paths, opts)
-    files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip)
-    label = song_name(info.path)
+    files, result = _write_stems(model, preset, info, paths, settings, opts, plan, probe_, title)
     try:
-        with SongProgress(title, info.seconds, info.rate) as progress:
-            result = separate_song(model, preset, info, files, settings, plan.device, opts.stems,
-                                   on_frames=progress.advance, on_block=probe_.sample)
-        clipping = files.commit()
+        files.finish()
+        clipping = files.report()
+        clipping["passes"] = 1 if files.gain == 1.0 else 2
+        taken = time.perf_counter() - began
+        measured = probe_.peaks()[1] if plan.device.type == "cpu" else probe_.record()["peak_device_bytes"]
+        record = {
+            "song": song_name(info.path), "input": os.path.abspath(info.path), "codec": info.codec,
+            "sample_rate": info.rate, "channels": info.channels, "seconds": result["seconds"],
+            "model": os.path.abspath(opts.model), "tier": preset["name"], "preset": preset, "step": step,
+            "stems": {stem: os.path.abspath(path) for stem, path in paths.items()},
+            "settings": {"stems": opts.stems, "format": opts.format, "bits": opts.bits, "clip": opts.clip,
+                         "overlap": opts.overlap, "shifts": opts.shifts, "seed": opts.seed,
+                         "filename": opts.filename, "device": plan.device.type,
+                         "precision": preset["train"]["precision"]},
+            "chunk_samples": plan.chunk_samples, "chunk_seconds": plan.chunk_samples / preset["audio"]["sample_rate"],
+            "batch": plan.batch, "gpu_lease": gpu_lease_record(),
+            "memory": {"budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
+                       "booked_bytes": plan.estimate["gate_required_bytes"],
+                       "booked": "the process's peak RSS, booked as the CPU gate books it (allowance + a factor "
+                       "x the live tensors + the stream's buffers)" if plan.device.type == "cpu"
+                       else "device use (allocator reserved peak + CUDA context) x (1 + uncertainty)",
+                       "predicted_peak_bytes": plan.estimate["peak_bytes"],
+                       "predicted_peak": "the live tensor bytes of one model call" if plan.device.type == "cpu"
+                       else "device use (allocator reserved peak + CUDA context)",
+                       "measured_peak_bytes": int(measured),
+                       "measured": "this process's peak RSS so far (VmHWM)" if plan.device.type == "cpu"
+                       else "this process's device use so far (NVML/cudaMemGetInfo)",
+                       "malloc": malloc, "tried": plan.tried},
+            "band": result["band"], "clipping": clipping, "notes": result["notes"],
+            "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
+            "versions": versions(),
+        }
+        # the sidecar is on disk before any stem is renamed: a full disk fails the song whole
+        files.attach(sidecar, (to_json(record) + "\n").encode())
+        remove_replaced_stems(sidecar, paths, opts.out)
+        files.commit()
     except BaseException:
         files.abort()
         raise
-    taken = time.perf_counter() - began
-    measured = probe_.peaks()[1] if plan.device.type == "cpu" else probe_.record()["peak_device_bytes"]
-    record = {
-        "song": label, "input": os.path.abspath(info.path), "codec": info.codec, "sample_rate": info.rate,
-        "channels": info.channels, "seconds": result["seconds"],
-        "model": os.path.abspath(opts.model), "tier": preset["name"], "preset": preset, "step": step,
-        "stems": {stem: os.path.abspath(path) for stem, path in paths.items()},
-        "settings": {"stems": opts.stems, "format": opts.format, "bits": opts.bits, "clip": opts.clip,
-                     "overlap": opts.overlap, "shifts": opts.shifts, "seed": opts.seed,
-                     "filename": opts.filename, "device": plan.device.type, "precision": preset["train"]["precision"]},
-        "chunk_samples": plan.chunk_samples, "chunk_seconds": plan.chunk_samples / preset["audio"]["sample_rate"],
-        "batch": plan.batch, "gpu_lease": gpu_lease_record(),
-        "memory": {"budget_bytes": plan.budget_bytes, "budget_source": plan.budget_source,
-                   "booked_bytes": plan.estimate["gate_required_bytes"],
-                   "booked": "the process's peak RSS, booked as the CPU gate books it (allowance + a factor "
-                   "x the live tensors + the stream's buffers)" if plan.device.type == "cpu"
-                   else "device use (allocator reserved peak + CUDA context) x (1 + uncertainty)",
-                   "predicted_peak_bytes": plan.estimate["peak_bytes"],
-                   "predicted_peak": "the live tensor bytes of one model call" if plan.device.type == "cpu"
-                   else "device use (allocator reserved peak + CUDA context)",
-                   "measured_peak_bytes": int(measured),
-                   "measured": "this process's peak RSS so far (VmHWM)" if plan.device.type == "cpu"
-                   else "this process's device use so far (NVML/cudaMemGetInfo)",
-                   "malloc": malloc, "tried": plan.tried},
-        "band": result["band"], "clipping": clipping, "notes": result["notes"],
-        "seconds_taken": round(taken, 3), "real_time_factor": round(taken / max(result["seconds"], 1e-9), 4),
-        "versions": versions(),
-    }
-    remove_replaced_stems(sidecar, paths, opts.out)
-    write_json(sidecar, record)
     print(_summary(record, paths[next(iter(paths))].parent), file=sys.stderr)
     return record
+
+
+def _write_stems(model, preset, info, paths, settings, opts, plan, probe_, title) -> tuple[SongFiles, dict]:
+    """Separate the song into its stems' temporaries: (the files, not committed; separate_song's
+    result). With rescale, a song whose stems went beyond full scale is separated a second time
+    with the gain the first pass found (stems.py): the disk holds only one set of stems."""
+    gain, label = 1.0, title
+    while True:
+        files = SongFiles(paths, opts.format, opts.bits, info.rate, info.channels, opts.clip, gain)
+        try:
+            with SongProgress(label, info.seconds, info.rate) as progress:
+                result = separate_song(model, preset, info, files, settings, plan.device, opts.stems,
+                                       on_frames=progress.advance, on_block=probe_.sample)
+            needed = files.rescale_gain()
+            if gain != 1.0 or needed == 1.0:
+                return files, result
+        except BaseException:
+            files.abort()
+            raise
+        files.abort()
+        gain, label = needed, f"{title} (again, scaled by {needed:.3f})"
+        print(f"{title}: its stems went beyond full scale: separating it again, scaled by {gain:.3f} "
+              "(--clip rescale)", file=sys.stderr)
 
 
 def remove_replaced_stems(sidecar: Path, paths: dict, out: Path) -> list[Path]:
@@ -361,7 +408,7 @@ def check_song_space(info, paths: dict, opts: Options) -> None:
     if info.seconds is None:
         return
     frames = int(info.seconds * info.rate) + 1
-    need = disk_bytes(len(paths), frames, info.channels, info.rate, opts.format, opts.bits, opts.clip)
+    need = disk_bytes(len(paths), frames, info.channels, info.rate, opts.format, opts.bits)
     try:
         check_free_space(next(iter(paths.values())), need, what=f"writing its {len(paths)} stems",
                          label=str(info.path))

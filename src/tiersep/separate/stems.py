@@ -3,15 +3,20 @@
 Nothing half-written: every stem goes to a tiersep temporary name beside its final path
 (`.<name>.<8 chars>.tmp`, which `tiersep.outputs.exclusive` removes after a killed run); only when
 all stems of the song are complete are they renamed into place, with the modes the umask gives
-(0644 under the usual 022). A failure (a full disk included) removes the temporaries.
+(0644 under the usual 022), and last the files attached to them (the song's sidecar, written to a
+temporary before any rename, so a disk that fills up then leaves no stem without its sidecar). A
+failure (a full disk included) removes the temporaries.
 
 Clipping (`clip`), and what is reported per stem (peak, samples beyond full scale):
 - clamp: samples are clipped to [-1, 1];
 - none: written as computed (float32 wav keeps values beyond full scale; 16/24-bit PCM saturates
   them, mp3 decoders clip them);
 - rescale: one gain for all stems of the song, 1 / max(1.01 x their peak, 1) as demucs's, so the
-  stems keep their levels and still add up. The gain is known only at the end, so the stems
-  first go to float32 temporaries, then are encoded in blocks with the gain.
+  stems keep their levels and still add up. The gain is known only at the end, and no disk holds
+  more than the stems themselves: the stems are written with the `gain` given (1 at first), and
+  when their peak asks for a smaller one (`rescale_gain`), the caller discards them and writes the
+  song again with it (separate/run.py). Each sample is then the computed one times the gain,
+  rounded once into the output format.
 """
 from __future__ import annotations
 
@@ -20,28 +25,24 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 
 from tiersep.io import current_umask
 
-from .audio import Encoder
+from .audio import Encoder, write_failure
 
 CLIP_MODES = ("rescale", "clamp", "none")
 RESCALE_HEADROOM = 1.01
-COPY_BLOCK = 1 << 16        # frames per block when encoding a rescaled temporary
 MP3_BYTES_PER_SECOND = 320_000 // 8 + 1000      # 320 kbit/s and its frame headers, generously
 FILE_HEADER_BYTES = 64 * 1024
 
 
-def disk_bytes(stems: int, frames: int, channels: int, rate: int, fmt: str, bits: str, clip: str) -> int:
-    """The most disk one song's stems hold at once: the finished files (flac booked as PCM, its
-    worst case; mp3 at its bitrate), and with rescale the float32 temporaries beside the first one
-    encoded from them."""
+def disk_bytes(stems: int, frames: int, channels: int, rate: int, fmt: str, bits: str) -> int:
+    """The most disk one song's stems hold at once, whatever the clip mode: the finished files (flac
+    booked as PCM, its worst case; mp3 at its bitrate), each with a header allowance (the sidecar's
+    few KiB fit in it)."""
     samples = frames * channels
     final = (samples * {"16": 2, "24": 3, "32f": 4}[bits] if fmt != "mp3"
              else int(frames / rate * MP3_BYTES_PER_SECOND)) + FILE_HEADER_BYTES
-    if clip == "rescale":
-        return stems * (samples * 4 + FILE_HEADER_BYTES) + final
     return stems * final
 
 
@@ -53,23 +54,26 @@ def temporary_path(final: Path) -> Path:
 
 
 class SongFiles:
-    """Write each stem of one song (paths: stem -> final path) in blocks, then commit or abort."""
+    """Write each stem of one song (paths: stem -> final path) in blocks, then commit or abort.
+    gain: rescale's gain for this writing (see the module docstring); 1 for the other modes."""
 
-    def __init__(self, paths: dict[str, Path], fmt: str, bits: str, rate: int, channels: int, clip: str):
+    def __init__(self, paths: dict[str, Path], fmt: str, bits: str, rate: int, channels: int, clip: str,
+                 gain: float = 1.0):
         if clip not in CLIP_MODES:
             raise ValueError(f"clip: {clip!r} (allowed: {', '.join(CLIP_MODES)})")
+        if clip != "rescale" and gain != 1.0:
+            raise ValueError(f"gain: {gain} with clip {clip!r} (only rescale scales)")
         self.paths, self.fmt, self.bits, self.rate, self.channels, self.clip = paths, fmt, bits, rate, channels, clip
+        self.gain = gain
         self.made_dirs: list[Path] = []
         self.temps: dict[str, Path] = {}
+        self.attached: dict[Path, Path] = {}        # final path -> temporary, renamed after the stems
         self.encoders: dict[str, Encoder] = {}
         self.stats = {stem: {"peak": 0.0, "clipped_samples": 0} for stem in paths}
-        self.gain = 1.0
         for stem, final in paths.items():
             self._make_dirs(final.parent)
             self.temps[stem] = temporary_path(final)
-            # rescale: float32 first, encoded with the gain at the end
-            fmt_, bits_ = ("wav", "32f") if clip == "rescale" else (fmt, bits)
-            self.encoders[stem] = Encoder(self.temps[stem], fmt_, bits_, rate, channels, shown=final)
+            self.encoders[stem] = Encoder(self.temps[stem], fmt, bits, rate, channels, shown=final)
 
     def _make_dirs(self, folder: Path) -> None:
         missing = []
@@ -81,7 +85,7 @@ class SongFiles:
             self.made_dirs.append(path)
 
     def write(self, blocks: dict[str, np.ndarray]) -> None:
-        """One block [C, n] per stem, in track order."""
+        """One block [C, n] per stem, in track order, as computed (the stats are of these values)."""
         for stem, block in blocks.items():
             stats = self.stats[stem]
             magnitude = np.abs(block)
@@ -90,40 +94,43 @@ class SongFiles:
                 stats["clipped_samples"] += int(np.count_nonzero(magnitude > 1.0))
             if self.clip == "clamp":
                 block = np.clip(block, -1.0, 1.0)
+            elif self.gain != 1.0:
+                block = np.asarray(block, dtype=np.float32) * np.float32(self.gain)
             self.encoders[stem].write(block)
 
-    def commit(self) -> dict:
-        """Finish every file and rename them all into place; returns the clipping report."""
+    def rescale_gain(self) -> float:
+        """The gain the stems written so far need (rescale; 1.0: none, or another mode)."""
+        if self.clip != "rescale":
+            return 1.0
+        peak = max((s["peak"] for s in self.stats.values()), default=0.0)
+        return 1.0 / max(RESCALE_HEADROOM * peak, 1.0)
+
+    def finish(self) -> None:
+        """Complete every stem's temporary (a full disk fails here too); nothing is renamed yet."""
         for encoder in self.encoders.values():
             encoder.close()
-        if self.clip == "rescale":
-            peak = max((s["peak"] for s in self.stats.values()), default=0.0)
-            self.gain = 1.0 / max(RESCALE_HEADROOM * peak, 1.0)
-            for stem, raw in list(self.temps.items()):
-                self.temps[stem] = self._encode_scaled(raw, self.paths[stem])
-        mode = 0o666 & ~current_umask()        # mkstemp made them 0600; stems are read like any output
-        for stem, temp in self.temps.items():
-            os.chmod(temp, mode)
-            os.replace(temp, self.paths[stem])
-        self.temps = {}
-        return self.report()
 
-    def _encode_scaled(self, raw: Path, final: Path) -> Path:
-        """Encode the float32 temporary `raw` with the song's gain into a new temporary (returned);
-        `raw` is removed once that succeeded, and stays a temporary for abort() otherwise."""
-        encoded = temporary_path(final)
-        encoder = Encoder(encoded, self.fmt, self.bits, self.rate, self.channels, shown=final)
+    def attach(self, final: Path, data: bytes) -> None:
+        """Write `data` now to a temporary of `final`, renamed into place after the stems by
+        commit(): a disk too full for it fails the song before any stem is in place."""
         try:
-            with sf.SoundFile(str(raw)) as source:
-                for block in source.blocks(COPY_BLOCK, dtype="float32", always_2d=True):
-                    encoder.write(block.T * np.float32(self.gain))
-            encoder.close()
-        except BaseException:
-            encoder.abort()
-            encoded.unlink(missing_ok=True)
-            raise
-        raw.unlink()
-        return encoded
+            self.attached[final] = temporary_path(final)
+            self.attached[final].write_bytes(data)
+        except OSError as err:
+            raise write_failure(final, err.strerror or str(err)) from None
+
+    def commit(self) -> dict:
+        """Finish every file and rename them all into place, the attached ones last; returns the
+        clipping report."""
+        self.finish()
+        mode = 0o666 & ~current_umask()        # mkstemp made them 0600; stems are read like any output
+        renames = [(temp, self.paths[stem]) for stem, temp in self.temps.items()] + \
+            [(temp, final) for final, temp in self.attached.items()]
+        for temp, final in renames:
+            os.chmod(temp, mode)
+            os.replace(temp, final)
+        self.temps, self.attached = {}, {}
+        return self.report()
 
     def report(self) -> dict:
         return {"mode": self.clip, "gain": self.gain,
@@ -134,9 +141,9 @@ class SongFiles:
         """Remove every temporary (and the folders this song made, when left empty)."""
         for encoder in self.encoders.values():
             encoder.abort()
-        for temp in self.temps.values():
+        for temp in [*self.temps.values(), *self.attached.values()]:
             temp.unlink(missing_ok=True)
-        self.temps = {}
+        self.temps, self.attached = {}, {}
         for folder in reversed(self.made_dirs):
             try:
                 folder.rmdir()
