@@ -8,12 +8,18 @@ import torch
 from tiersep.model.step import autocast
 
 
-def validate(model, loss_fn, mixtures, stems, batch_size, preset, device) -> dict:
-    """Mean loss, SDR and SI-SDR (dB, mean over segments and stems) on the fixed valid segments."""
+def validate(model, loss_fn, mixtures, stems, batch_size, preset, device,
+             audio_samples: int = 0) -> tuple[dict, dict]:
+    """(scores, audio). scores: mean loss, SDR and SI-SDR (dB, mean over segments and stems), and
+    val_si_sdr_<stem> per stem; audio: the first `audio_samples` of the mixture and of each stem's
+    estimate, mono (tiersep.train.tracking.validation_audio; empty when 0)."""
     from tiersep.evaluate.metrics import sdr_torch, si_sdr_torch
+    from tiersep.train.tracking import validation_audio
 
+    sources = list(preset["model"]["sources"])
     model.eval()
-    losses, sdrs, si_sdrs = [], [], []
+    losses, sdrs, si_sdrs, heard_mix, heard_est = [], [], [], [], []
+    heard = 0
     with torch.no_grad():
         for start in range(0, mixtures.shape[0], batch_size):
             mix = mixtures[start:start + batch_size].to(device)      # [b, C, S]
@@ -23,11 +29,19 @@ def validate(model, loss_fn, mixtures, stems, batch_size, preset, device) -> dic
             est = est.float()                                         # [b, n, C, S]
             losses.append(loss_fn(est, ref).float() * mix.shape[0])
             sdrs.append(sdr_torch(est, ref).float().reshape(-1))
-            si_sdrs.append(si_sdr_torch(est, ref).float().reshape(-1))
+            si_sdrs.append(si_sdr_torch(est, ref).float())            # [b, n]
+            if heard < audio_samples:
+                heard_mix.append(mix.cpu())
+                heard_est.append(est.cpu())
+                heard += mix.shape[0] * mix.shape[-1]
     model.train()
     sdr, si_sdr = torch.cat(sdrs), torch.cat(si_sdrs)
-    return {"val_loss": float(torch.stack(losses).sum()) / mixtures.shape[0],
-            "val_sdr": _finite_mean(sdr), "val_si_sdr": _finite_mean(si_sdr)}
+    scores = {"val_loss": float(torch.stack(losses).sum()) / mixtures.shape[0],
+              "val_sdr": _finite_mean(sdr), "val_si_sdr": _finite_mean(si_sdr.reshape(-1))}
+    scores.update({f"val_si_sdr_{stem}": _finite_mean(si_sdr[:, i]) for i, stem in enumerate(sources)})
+    audio = (validation_audio(torch.cat(heard_mix), torch.cat(heard_est), sources, audio_samples)
+             if heard_mix else {})
+    return scores, audio
 
 
 def _finite_mean(values: torch.Tensor) -> float:
