@@ -121,14 +121,7 @@ class Training:
                 if self.step % t["validate_every"] == 0 or self.step == steps:
                     scores, audio = self._validate()
                     row.update(scores)
-                memory = self.plan.probe.sample()
-                if self.main:
-                    self.metrics.append(row)
-                    self.memory.append({"step": self.step, **memory})
-                    self.tracker.log_step(self.step, row, memory)
-                    if audio is not None:
-                        self.tracker.log_validation(self.step, row, audio)
-                    self.tracker.flush()
+                self._log(row, audio)
                 if self.step % t["checkpoint_every"] == 0 or self.step == steps:
                     self.checkpoint()
                 rate = f"{row['steps_per_s']:.2f} st/s " if row["steps_per_s"] else ""
@@ -143,6 +136,19 @@ class Training:
         if stop:
             return endings.preempt(self, flag)
         return endings.finish(self)
+
+    def _log(self, row: dict, audio: dict | None) -> None:
+        """The step's rows in metrics.csv and memory.csv, and the same rows to the tracker's
+        curves (with the validation's audio), on rank 0; every rank samples its memory (run.json's peaks)."""
+        memory = self.plan.probe.sample()
+        if not self.main:
+            return
+        self.metrics.append(row)
+        self.memory.append({"step": self.step, **memory})
+        self.tracker.log_step(self.step, row, memory)
+        if audio is not None:
+            self.tracker.log_validation(self.step, row, audio)
+        self.tracker.flush()
 
     def _start_random_streams(self) -> None:
         """The generators dropout draws from, as the loop starts: a resumed run's from its checkpoint
