@@ -25,6 +25,15 @@ import torch
 
 from tiersep.config import ConfigError
 
+# Imported with the trainer (not when a run starts): the CPU booking's probe process, which imports
+# what `tiersep train` imports (memory/cpu_booking.py), then counts its pages.
+try:
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError as _err:   # said in one line at job start when tracking.tensorboard is on
+    SummaryWriter, TENSORBOARD_MISSING = None, str(_err)
+else:
+    TENSORBOARD_MISSING = None
+
 TB_DIR, WANDB_DIR = "tb", "wandb"
 # Row keys that are bookkeeping, not curves.
 NOT_CURVES = {"step", "time_s"}
@@ -39,12 +48,9 @@ def tracking_problem(cfg: dict) -> str | None:
     """One line naming what stops the config's tracking section at job start, or None. Checked
     before the run folder is touched, so the job ends before training rather than mid-run."""
     where, tracking = cfg.get("_source", "config"), cfg["tracking"]
-    if tracking["tensorboard"]:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError as err:
-            return (f"{where}: tracking.tensorboard is true, but TensorBoard cannot be imported ({err}); "
-                    "pip install tensorboard, or set tracking.tensorboard: false")
+    if tracking["tensorboard"] and SummaryWriter is None:
+        return (f"{where}: tracking.tensorboard is true, but TensorBoard cannot be imported "
+                f"({TENSORBOARD_MISSING}); pip install tensorboard, or set tracking.tensorboard: false")
     wandb = tracking["wandb"]
     if wandb["project"] is None:
         return None
@@ -104,8 +110,6 @@ class Tracker:
         tracking = cfg["tracking"]
         tensorboard = wandb_run = None
         if tracking["tensorboard"]:
-            from torch.utils.tensorboard import SummaryWriter
-
             # purge_step: events at or after it (a killed process's, past its checkpoint) are dropped
             tensorboard = SummaryWriter(log_dir=str(Path(out_dir) / TB_DIR), purge_step=step + 1)
         if tracking["wandb"]["project"] is not None:
