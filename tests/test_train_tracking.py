@@ -75,6 +75,10 @@ def assert_curves_match_csv(run: Path, steps: int, validated: list[int]) -> None
     for step in validated:
         per_stem = [next(e.value for e in acc.Scalars(f"val/si_sdr_{s}") if e.step == step) for s in SOURCES]
         assert sum(per_stem) / len(per_stem) == pytest.approx(float(rows[step]["val_si_sdr"]), rel=1e-4)
+    # the loss's terms: they sum to the validation loss
+    for step in validated:
+        terms = [next(e.value for e in acc.Scalars(f"val/loss_{t}") if e.step == step) for t in ("time_l1", "stft_l1")]
+        assert sum(terms) == pytest.approx(float(rows[step]["val_loss"]), rel=1e-4)
     memory = {int(r["step"]): r for r in read_csv(run / "memory.csv")}
     for tag, column in (("memory/rss_bytes", "allocated"), ("memory/peak_rss_bytes", "peak")):
         logged = acc.Scalars(tag)
