@@ -177,11 +177,11 @@ def _start_wandb(settings: dict, out_dir: Path, preset: dict, run_info: dict, es
 def validation_audio(mixtures: torch.Tensor, estimates: torch.Tensor, sources: list[str],
                      samples: int) -> dict:
     """The first `samples` of the validation mixture and of each stem's estimate, segment after
-    segment, downmixed to mono: {"mixture": Tensor[S], stem: Tensor[S]}. mixtures [N, C, S],
-    estimates [N, n, C, S] (the first N validation segments)."""
+    segment: {"mixture": Tensor[samples], stem: Tensor[samples]}. mixtures [N, S] and estimates
+    [N, n, S], the first N validation segments downmixed to mono."""
     if samples <= 0:
         return {}
-    out = {"mixture": mixtures.float().mean(dim=1).reshape(-1)[:samples]}
+    out = {"mixture": mixtures.float().reshape(-1)[:samples]}
     for index, stem in enumerate(sources):
-        out[stem] = estimates[:, index].float().mean(dim=1).reshape(-1)[:samples]
+        out[stem] = estimates[:, index].float().reshape(-1)[:samples]
     return out

@@ -33,10 +33,11 @@ def validate(model, loss_fn, mixtures, stems, batch_size, preset, device,
             losses.append(sum(terms.values()).float() * mix.shape[0])
             sdrs.append(sdr_torch(est, ref).float().reshape(-1))
             si_sdrs.append(si_sdr_torch(est, ref).float())            # [b, n]
-            if heard < audio_samples:
-                heard_mix.append(mix.cpu())
-                heard_est.append(est.cpu())
-                heard += mix.shape[0] * mix.shape[-1]
+            if heard < audio_samples:   # only the segments the clips need, in mono: [k, S], [k, n, S]
+                k = -(-(audio_samples - heard) // mix.shape[-1])
+                heard_mix.append(mix[:k].float().mean(dim=1).cpu())
+                heard_est.append(est[:k].mean(dim=2).cpu())
+                heard += heard_mix[-1].numel()
     model.train()
     sdr, si_sdr = torch.cat(sdrs), torch.cat(si_sdrs)
     scores = {"val_loss": float(torch.stack(losses).sum()) / mixtures.shape[0],
