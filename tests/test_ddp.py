@@ -106,6 +106,14 @@ def test_two_ranks_train_what_one_process_with_twice_the_micro_batch_trains(twen
     assert all(r["peak_rss_bytes"] > 100 * 2**20 and r["device"].startswith("cpu") for r in run["per_rank"])
     # rank 0 alone wrote the run folder: one metrics row per step
     assert [r["step"] for r in metrics_rows(two)] == [str(s) for s in range(1, 21)]
+    # and the curves: one TensorBoard writer (rank 0's), every step once, its samples/s over both ranks
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    assert len(list((two / "tb").glob("events.out.tfevents.*"))) == 1
+    curves = EventAccumulator(str(two / "tb"), size_guidance={"scalars": 0})
+    curves.Reload()
+    assert [e.step for e in curves.Scalars("train/loss")] == list(range(1, 21))
+    per_s = {e.step: e.value for e in curves.Scalars("train/steps_per_s")}
+    assert all(e.value == pytest.approx(2 * per_s[e.step], rel=1e-5) for e in curves.Scalars("train/samples_per_s"))
 
     # the report: the ranks, samples/s over the effective batch, the largest rank's peak
     from tiersep.report import memory

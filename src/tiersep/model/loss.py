@@ -36,20 +36,26 @@ class SeparationLoss(nn.Module):
         self.resolutions = [(int(size), int(hop)) for size, hop in resolutions]
 
     def forward(self, estimates: Tensor, targets: Tensor) -> Tensor:
+        terms = self.terms(estimates, targets)
+        return terms["time_l1"] + terms["stft_l1"] if "stft_l1" in terms else terms["time_l1"]
+
+    def terms(self, estimates: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """The loss's weighted terms, which sum to its value: {"time_l1", "stft_l1" (when weighted)}
+        (validation logs each: tiersep.train.validation)."""
         if estimates.shape != targets.shape:
             raise ValueError(f"loss: estimates {tuple(estimates.shape)} and targets "
                              f"{tuple(targets.shape)} differ in shape")
         with torch.autocast(estimates.device.type, enabled=False):
             error = estimates.float() - targets.float()  # [B, n, C, S]
-            loss = self.time_weight * error.abs().mean()
+            out = {"time_l1": self.time_weight * error.abs().mean()}
             if self.stft_weight > 0:
                 terms = []
                 for size, hop in self.resolutions:
                     window = make_window("hann", size, device=error.device)
                     spec = stft(error, size, hop, window, normalized=True, pad_mode="constant")
                     terms.append(torch.view_as_real(spec).abs().mean())  # [B, n, C, F, T, 2] -> 0-dim
-                loss = loss + self.stft_weight * torch.stack(terms).mean()
-        return loss
+                out["stft_l1"] = self.stft_weight * torch.stack(terms).mean()
+        return out
 
 
 def build_loss(preset: dict) -> SeparationLoss:

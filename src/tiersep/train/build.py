@@ -12,6 +12,7 @@ from tiersep.train import checkpoint as ckpt
 from tiersep.train.schedule import Schedule
 from tiersep.model.step import make_optimizer
 from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog, SegmentTrace
+from tiersep.train.tracking import Tracker
 
 COMPILE_BACKEND_ENV = "TIERSEP_COMPILE_BACKEND"
 
@@ -49,6 +50,9 @@ def build(run) -> None:
     keep = run.step if state is not None else None
     run.metrics = CsvLog(run.out_dir / "metrics.csv", METRICS_FIELDS, keep)
     run.memory = CsvLog(run.out_dir / "memory.csv", MEMORY_FIELDS, keep)
+    run.audio_samples = int(run.cfg["tracking"]["audio_seconds"] * p["audio"]["sample_rate"])
+    run.tracker = Tracker.open(run.cfg, run.out_dir, p, run.device.type, run.step, run.run_info,
+                               run.plan.estimate)
 
 
 def _restore(run, state: dict) -> None:

@@ -29,6 +29,7 @@ class Training:
     def __init__(self, plan: RunPlan, job: TrainJob, history: dict, ranks: distributed.Ranks | None = None,
                  notes: dict | None = None):
         self.plan, self.data_dir, self.out_dir, self.wall_start = plan, job.data_dir, job.out_dir, job.wall_start
+        self.cfg = job.cfg
         self.preset, self.device, self.t = plan.preset, plan.device, plan.preset["train"]
         # data-parallel: this rank's place; only rank 0 (main) writes the run folder
         self.ranks, self.notes = ranks, notes if notes is not None else {}
@@ -39,8 +40,9 @@ class Training:
         self.resumed_from = None
         self.loop_start = None
         # set by build(): model, parameters, loss_fn, optimizer, schedule, best, step_model, dataset,
-        # segments, trace, make_loader; on rank 0 val_mix, val_stems and the logs metrics and memory
-        self.model = self.optimizer = self.metrics = self.memory = None
+        # segments, trace, make_loader; on rank 0 val_mix, val_stems, the logs metrics and memory,
+        # and the tracker (TensorBoard, W&B: tracking.py) fed the same rows
+        self.model = self.optimizer = self.metrics = self.memory = self.tracker = None
         self.compile_info = {"requested": plan.preset["train"]["compile"], "compiled": False, "reason": None}
 
     def checkpoint(self) -> None:
@@ -71,7 +73,7 @@ class Training:
                     raise
                 return code
             finally:
-                for log in (self.metrics, self.memory):
+                for log in (self.metrics, self.memory, self.tracker):
                     if log is not None:
                         log.close()
 
@@ -110,12 +112,16 @@ class Training:
                 else:
                     recent = (recent + [elapsed])[-20:]
                 row["steps_per_s"] = len(recent) / sum(recent) if recent else None
+                # for the curves only (metrics.csv keeps its columns): this step's time, and the
+                # samples per second of all ranks at the recent step rate
+                row["step_time_s"] = elapsed
+                row["samples_per_s"] = (row["steps_per_s"] * micro * t["grad_accum"] * t["ranks"]
+                                        if row["steps_per_s"] else None)
+                audio = None
                 if self.step % t["validate_every"] == 0 or self.step == steps:
-                    row.update(self._validate())
-                memory = self.plan.probe.sample()
-                if self.main:
-                    self.metrics.append(row)
-                    self.memory.append({"step": self.step, **memory})
+                    scores, audio = self._validate()
+                    row.update(scores)
+                self._log(row, audio)
                 if self.step % t["checkpoint_every"] == 0 or self.step == steps:
                     self.checkpoint()
                 rate = f"{row['steps_per_s']:.2f} st/s " if row["steps_per_s"] else ""
@@ -130,6 +136,19 @@ class Training:
         if stop:
             return endings.preempt(self, flag)
         return endings.finish(self)
+
+    def _log(self, row: dict, audio: dict | None) -> None:
+        """The step's rows in metrics.csv and memory.csv, and the same rows to the tracker's
+        curves (with the validation's audio), on rank 0; every rank samples its memory (run.json's peaks)."""
+        memory = self.plan.probe.sample()
+        if not self.main:
+            return
+        self.metrics.append(row)
+        self.memory.append({"step": self.step, **memory})
+        self.tracker.log_step(self.step, row, memory)
+        if audio is not None:
+            self.tracker.log_validation(self.step, row, audio)
+        self.tracker.flush()
 
     def _start_random_streams(self) -> None:
         """The generators dropout draws from, as the loop starts: a resumed run's from its checkpoint
@@ -168,11 +187,13 @@ class Training:
         return {"step": self.step, "time_s": round(self.train_seconds(), 3), "loss": loss,
                 "lr": t["lr"] * factor, "grad_norm": grad_norm}
 
-    def _validate(self) -> dict:
+    def _validate(self) -> tuple[dict, dict]:
         """Validation on rank 0 (the only one with the validation segments); the other ranks wait
-        for its scores, which their plateau schedule and best-score bookkeeping need too."""
-        scores = (validate(self.model, self.loss_fn, self.val_mix, self.val_stems,
-                           self.t["batch_size"], self.preset, self.device) if self.main else None)
+        for its scores, which their plateau schedule and best-score bookkeeping need too.
+        Returns (scores, audio for the curves: empty on the other ranks)."""
+        scores, audio = (validate(self.model, self.loss_fn, self.val_mix, self.val_stems,
+                                  self.t["batch_size"], self.preset, self.device, self.audio_samples)
+                         if self.main else (None, {}))
         if self.ranks is not None:
             scores = distributed.from_main(scores)
         self.schedule.observe(scores["val_loss"])
@@ -184,9 +205,9 @@ class Training:
             if self.main:
                 ckpt.copy_checkpoint(ckpt.last_path(self.out_dir), ckpt.best_path(self.out_dir))
         if not self.main:
-            return scores
+            return scores, audio
         tqdm.write(f"{self.preset['name']} step {self.step}: val loss {scores['val_loss']:.4f}, "
                    f"SDR {scores['val_sdr']:.2f} dB, SI-SDR {scores['val_si_sdr']:.2f} dB",
                    file=sys.stderr)
-        return scores
+        return scores, audio
 

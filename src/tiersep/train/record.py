@@ -13,6 +13,7 @@ from tiersep.io import torch_save, write_json
 from tiersep.probe import describe_device, host_info, versions
 from tiersep.records import validate_record
 from tiersep.train import checkpoint as ckpt
+from tiersep.train import tracking
 from tiersep.train.oom import attempted_allocation
 from tiersep.train.telemetry import column_max
 
@@ -112,7 +113,7 @@ def rank_memory(run) -> dict:
 # What a training process writes into its run folder (a folder holding nothing else, and no stamp,
 # is a run folder from before stamps: tiersep.outputs.claim adopts it).
 RUN_FILES = {"model.pt", "run.json", "failure.json", "outcome.json", "metrics.csv", "memory.csv",
-             ckpt.CHECKPOINT_DIR, "previous"}
+             ckpt.CHECKPOINT_DIR, "previous", tracking.TB_DIR, tracking.WANDB_DIR}
 FINISHED = ("model.pt", "run.json")
 
 

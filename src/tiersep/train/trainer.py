@@ -11,14 +11,17 @@ Exit codes (returned, the CLI exits with them):
   130 interrupted by Ctrl-C (SIGINT) after writing checkpoints/last.pt at the step boundary; a second
      Ctrl-C stops at once
   1  (data-parallel) a rank died: failure.json kind "rank_died" naming it (tiersep.train.launch)
-Bad input (a folder that is not tiersep's, an untrusted checkpoint) is exit 2 through the CLI.
+Bad input (a folder that is not tiersep's, an untrusted checkpoint) is exit 2 through the CLI, and so
+is a tracking section the job cannot carry out (W&B asked for but not installed, online without a
+key: tiersep.train.tracking), said in one line before anything is trained.
 Outputs that mean "finished" (model.pt, run.json) are written only at the end, atomically.
 
 Here: the job (job.py) is settled once, the run folder held, and the process, the launcher or a
 rank sent on its way. What is decided before the loop (resume point, micro-batch, device, gate) is in
 plan.py; the run folder is settled in run_folder.py; the loop is loop.py, its setup build.py (model,
 optimizer, torch.compile with its eager fallback), its endings and exit codes endings.py; run.json
-is assembled in record.py. A data-parallel tier (train.ranks > 1) runs the same loop in every rank
+is assembled in record.py; the curves (TensorBoard, W&B) are tracking.py's. A data-parallel tier
+(train.ranks > 1) runs the same loop in every rank
 under torchrun (launch.py starts it, distributed.py joins it).
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tiersep.train.loop import Training
 from tiersep.train.oom import INJECT_OOM_ENV
 from tiersep.train.plan import plan_run
 from tiersep.train.run_folder import settle_run_folder
+from tiersep.train.tracking import TrackingError, tracking_problem
 
 __all__ = ["train", "EXIT_OK", "EXIT_REFUSED", "EXIT_OOM", "EXIT_PREEMPTED", "EXIT_INTERRUPTED", "EXIT_RANK_DIED",
            "INJECT_OOM_ENV"]
@@ -54,6 +58,9 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
     With `outcome_path` (the workflow's train checkpoint), the outcome is written there at the end:
     trained, or refused by the gate; a refusal is then a finished outcome (exit 0) unless
     on_oversize is fail. Without it a refusal exits 3."""
+    problem = tracking_problem(cfg)   # at job start, never mid-run
+    if problem:
+        raise TrackingError(problem)
     job = TrainJob(cfg, preset, Path(data_dir), Path(out_dir), resume, estimate_path, attempt, outcome_path)
     try:
         if distributed.is_data_parallel(preset):
