@@ -19,7 +19,7 @@ from tiersep.train.telemetry import column_max
 # The estimate fields run.json keeps beside the measurement.
 ESTIMATE_FIELDS = ("peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "gate_required_bytes",
                    "largest_allocation_bytes", "method", "device", "budget_bytes", "fits", "uncertainty",
-                   "attention_backend", "calibration", "allocator", "cpu_process", "compiled", "compiled_note")
+                   "attention_backend", "calibration", "allocator", "cpu_process", "compiled", "compiled_note", "ema")
 
 
 def write_failure(out_dir: Path, kind: str, message: str, **extra) -> None:
