@@ -129,3 +129,19 @@ def test_sigkill_then_resume_gives_identical_ema_weights(ws, tmp_path):
     columns = ("loss", "val_si_sdr", "val_si_sdr_ema", "val_loss_ema")
     assert [[r[c] for c in columns] for r in metrics_rows(full)] == \
         [[r[c] for c in columns] for r in metrics_rows(killed)]
+
+
+def test_an_estimate_made_without_ema_is_not_trusted_for_an_ema_run(tmp_path):
+    """A train job given an estimate file re-estimates when the file did not book the EMA copy."""
+    from tiersep.io import write_json
+    from tiersep.memory import estimate
+    from tiersep.train.plan import usable_estimate
+
+    plain = tiny_preset()
+    ema = tiny_preset(**{"train.ema": {"decay": 0.999, "every": 1}})
+    path = tmp_path / "estimate.json"
+    write_json(path, estimate(plain, "trace", "cpu"))
+    cpu, allocator = torch.device("cpu"), {"expandable_segments": False}
+    assert usable_estimate(path, plain, cpu, allocator, False)[0] is not None
+    record, why = usable_estimate(path, ema, cpu, allocator, False)
+    assert record is None and why == f"{path} was made without train.ema; estimating again"
