@@ -1,7 +1,8 @@
 """Real CPU training steps of presets, measured independently of the trace, in a fresh process.
 
 For each preset it prints one JSON line:
-- resident_bytes: the weights, AdamW state and inputs a step starts from (their storages);
+- resident_bytes: the weights (and their EMA copy, train.ema), AdamW state and inputs a step starts
+  from (their storages);
 - profiled_peak_bytes: resident_bytes + the peak of the CPU allocator's own running sum over the
   preset's first step (tests/memory_reference.py), from the state the trace models (AdamW state
   made, no gradients);
@@ -43,13 +44,14 @@ def current_rss_bytes() -> int:
 def measure(preset: dict) -> dict:
     torch.manual_seed(preset["train"]["seed"])
     work = build_workload(preset, "cpu", lambda *shape: 0.1 * torch.randn(shape))
-    resident = storage_bytes(work.params + list(work.model.buffers()) + work.optimizer_state()
+    ema = work.ema.params if work.ema else []
+    resident = storage_bytes(work.params + list(work.model.buffers()) + ema + work.optimizer_state()
                              + [x for pair in work.inputs for x in pair])
 
     def step():
         work.optimizer.zero_grad(set_to_none=True)
         gc.collect()
-        train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu")
+        train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu", ema=work.ema)
 
     peak = profiled_peak(step)
     step()
@@ -57,7 +59,7 @@ def measure(preset: dict) -> dict:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")    # VmHWM := VmRSS (Linux 4.0+)
     before = current_rss_bytes()
-    train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu")
+    train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu", ema=work.ema)
     growth = peak_rss_bytes() - before
     return {"resident_bytes": resident, "profiled_peak_bytes": resident + peak, "rss_growth_bytes": growth}
 

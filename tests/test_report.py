@@ -755,3 +755,18 @@ def test_the_quality_plot_spreads_two_close_tiers_over_several_ticks():
     _quality_x_axis(ax, [50 * 2**20, 20 * 2**30])   # a wide range stays logarithmic
     assert ax.get_xscale() == "log"
     plt.close(fig)
+
+
+def test_training_curves_draw_the_ema_validation_beside_the_raw_one(monkeypatch):
+    """A tier trained with train.ema has *_ema columns in metrics.csv: both panels draw them."""
+    from tiersep.report import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figures.append(fig) or b"")
+    rows = [{"step": 1.0, "loss": 0.5}, {"step": 2.0, "loss": 0.4, "val_loss": 0.45, "val_sdr": 1.0,
+                                         "val_si_sdr": 0.5, "val_loss_ema": 0.44, "val_si_sdr_ema": 0.7}]
+    plots.plot_curves([Tier("t", "tier", metrics=rows)], {"t": "C0"})
+    loss_ax, val_ax = figures[0].axes
+    ema = {line.get_label(): list(line.get_ydata()) for ax in (loss_ax, val_ax) for line in ax.get_lines()
+           if "EMA" in line.get_label()}
+    assert ema == {"t valid, EMA": [0.44], "t SI-SDR, EMA": [0.7]}

@@ -98,11 +98,13 @@ def parameter_numels(preset: dict) -> list[int]:
 
 
 def static_bytes(preset: dict, device: str, numels: list[int] | None = None) -> dict[str, int]:
-    """Weights, gradients and AdamW state (exp_avg, exp_avg_sq), per tensor as the allocator books them."""
+    """Weights (and their EMA copy, train.ema), gradients and AdamW state (exp_avg, exp_avg_sq), per
+    tensor as the allocator books them."""
     block = cuda_block_bytes if device == "cuda" else cpu_block_bytes
     numels = numels if numels is not None else parameter_numels(preset)
     weights = sum(block(4 * n) for n in numels)
-    return {"weights": weights, "gradients": weights, "optimizer": 2 * weights}
+    copies = 2 if preset["train"].get("ema") else 1
+    return {"weights": copies * weights, "gradients": weights, "optimizer": 2 * weights}
 
 
 def input_bytes(preset: dict, device: str) -> int:

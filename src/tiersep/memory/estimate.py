@@ -7,7 +7,7 @@ What `peak_bytes` means (the number the fit gate compares with the budget):
   `torch.cuda.max_memory_reserved()` with `reserved_peak_bytes`.
 - device cpu: the peak of live tensor bytes (what the CPU trace counts; torch has no CPU allocator
   counter). The process's RSS adds the Python/torch baseline and malloc slack on top of it.
-`breakdown` splits peak_bytes: weights, gradients, optimizer (AdamW state), activations (saved for
+`breakdown` splits peak_bytes: weights (with train.ema's copy of them, named in `ema`), gradients, optimizer (AdamW state), activations (saved for
 backward, plus the input batch), transient (backward and optimizer temporaries) are the tensors live
 at the moment of the allocated peak; overhead is everything else (CUDA context, cuBLAS workspace,
 memory the allocator holds cached beyond the live tensors).
@@ -53,7 +53,8 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         record = analytic.estimate_analytic(preset, cond, cal)
     else:
         record = _from_measure(preset, cond, cal)
-    if method != "trace":
+    if method != "trace":   # the EMA copy: as many bytes as the weights, which these methods book
+        record["ema"] = _ema_record(preset, analytic.static_bytes(preset, device)["gradients"])
         record.update(compiled=False, compiled_note=f"the {method} method models the eager step"
                       + (" (the preset compiles: an upper bound)" if cond.compiled else ""))
     t = preset["train"]
@@ -226,9 +227,17 @@ def _from_trace(preset: dict, cond: conditions.Conditions, cal: dict | None) -> 
         "notes": r.notes,
         "compiled": r.compiled,
         "compiled_note": compiled_note,
+        "ema": _ema_record(preset, r.ema_bytes),
         "torch": torch.__version__,
         **({"data_parallel": r.data_parallel} if r.data_parallel else {}),
     }
+
+
+def _ema_record(preset: dict, copy_bytes: int) -> dict | None:
+    """train.ema as the estimate counted it: the EMA copy of the weights (part of breakdown
+    weights, traced with its update after the optimizer step), or None when it is off."""
+    spec = preset["train"].get("ema")
+    return {**spec, "copy_bytes": int(copy_bytes)} if spec else None
 
 
 def _from_measure(preset: dict, cond: conditions.Conditions, cal: dict | None) -> dict:

@@ -50,14 +50,14 @@ def measure_step(preset: dict, device: str | None = None, steps: int = 1,
         torch.cuda.reset_peak_memory_stats()
         start = time.time()
         for _ in range(steps):
-            train_step(model, loss_fn, optimizer, inputs, preset, device)
+            train_step(model, loss_fn, optimizer, inputs, preset, device, ema=work.ema)
         torch.cuda.synchronize()
         seconds = (time.time() - start) / steps
         return MeasureResult(device, sum(p.numel() for p in params), torch.cuda.max_memory_allocated(),
                              torch.cuda.max_memory_reserved(), None, None, seconds)
 
     tracker = StorageTracker(cpu_block_bytes)
-    tracker.register(params + list(model.buffers()))
+    tracker.register(params + list(model.buffers()) + (work.ema.params if work.ema else []))
     tracker.register(work.optimizer_state())
     tracker.register([x for pair in inputs for x in pair])
     rss_before = _current_rss_bytes()
@@ -67,7 +67,7 @@ def measure_step(preset: dict, device: str | None = None, steps: int = 1,
     try:
         with tracker:
             for _ in range(steps):
-                train_step(model, loss_fn, optimizer, inputs, preset, device)
+                train_step(model, loss_fn, optimizer, inputs, preset, device, ema=work.ema)
     finally:
         hook.remove()
         tracker.stop()

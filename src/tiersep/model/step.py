@@ -45,6 +45,7 @@ def train_step(
     micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     preset: dict,
     device_type: str,
+    ema=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward every micro-batch (mixture [B, C, S], stems [B, n_src, C, S]), clip, step.
 
@@ -52,7 +53,8 @@ def train_step(
     `grad_accum` micro-batches of size b gives the gradient of one batch of size b*grad_accum; under
     DistributedDataParallel the ranks' gradients are then averaged, which gives that of one batch of
     size b*grad_accum*ranks (each rank's micro-batches the same size).
-    Returns (mean loss, gradient norm before clipping) as 0-dim tensors.
+    `ema` (model/ema.py, train.ema): its update follows the optimizer step, inside the step the
+    estimate traces. Returns (mean loss, gradient norm before clipping) as 0-dim tensors.
     """
     micro_batches = list(micro_batches)
     n = len(micro_batches)
@@ -81,4 +83,6 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"),
                                                foreach=(device_type == "cuda"))
     optimizer.step()
+    if ema is not None:
+        ema.update()
     return total, grad_norm

@@ -277,12 +277,21 @@ def plot_curves(tiers: list[Tier], colors: dict[str, str]) -> bytes:
         if steps:
             val_ax.plot(steps, sdr, color=color, linestyle=":", marker="^", markersize=3,
                         label=f"{tier.name} SDR")
+        # train.ema: the EMA weights' validation beside the raw weights'
+        steps, val = _series(tier.metrics, "val_loss_ema")
+        if steps:
+            loss_ax.plot(steps, val, color=color, linestyle="-.", marker="s", markersize=3,
+                         label=f"{tier.name} valid, EMA")
+        steps, si = _series(tier.metrics, "val_si_sdr_ema")
+        if steps:
+            val_ax.plot(steps, si, color=color, linestyle="-.", marker="s", markersize=3,
+                        label=f"{tier.name} SI-SDR, EMA")
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss")
-    loss_ax.set_title("loss: training (solid), validation (dashed)")
+    loss_ax.set_title("loss: training (solid), validation (dashed; EMA weights dash-dot)")
     val_ax.set_xlabel("step")
     val_ax.set_ylabel("dB")
-    val_ax.set_title("validation SI-SDR (solid) and SDR (dotted)")
+    val_ax.set_title("validation SI-SDR (solid; EMA weights dash-dot) and SDR (dotted)")
     for ax in (loss_ax, val_ax):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)

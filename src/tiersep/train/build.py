@@ -10,6 +10,7 @@ import os
 from tiersep.malloc import trimmed_heap
 from tiersep.train import checkpoint as ckpt
 from tiersep.train.schedule import Schedule
+from tiersep.model.ema import Ema
 from tiersep.model.step import make_optimizer
 from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog, SegmentTrace
 from tiersep.train.tracking import Tracker
@@ -26,6 +27,7 @@ def build(run) -> None:
     p, t, state = run.preset, run.t, run.plan.resume
     ckpt.seed_everything(t["seed"])
     run.model = build_model(p).to(run.device)
+    run.ema = Ema.from_preset(run.model, p)   # the initial weights, before the optimizer's state
     if (run.plan.malloc or {}).get("trim_heap"):   # booked so (plan.host_malloc)
         run.model.checkpoint_context = trimmed_heap
     run.parameters = count_parameters(run.model)
@@ -57,7 +59,7 @@ def build(run) -> None:
 
 def _restore(run, state: dict) -> None:
     """Continue from the checkpoint `state`: weights, optimizer, schedule, step and best score."""
-    ckpt.restore(state, model=run.model, optimizer=run.optimizer, schedule=run.schedule)
+    ckpt.restore(state, model=run.model, optimizer=run.optimizer, schedule=run.schedule, ema=run.ema)
     run.step = run.resumed_from = int(state["step"])
     run.best = dict(state["best"])
     # A new best writes last.pt first, then best.pt, so best.pt is never ahead of last.pt;

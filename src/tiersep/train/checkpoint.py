@@ -1,6 +1,6 @@
 """Checkpoints that let a killed run continue bit-for-bit.
 
-A checkpoint holds the model, the optimizer, the lr schedule, the number of completed steps (which
+A checkpoint holds the model, the optimizer, the lr schedule, the EMA weights (train.ema, else None), the number of completed steps (which
 is also the data loader's position: batches are a pure function of (seed, step)), the best
 validation score so far, and every random state a step consumes (torch CPU and CUDA, numpy, python)
 - dropout draws from torch's global generator, so restoring it makes the resumed steps identical.
@@ -77,14 +77,16 @@ def seed_everything(seed: int) -> None:
 
 
 def save_checkpoint(path: Path, *, model, optimizer, schedule, step: int, best: dict, preset: dict,
-                    run: dict) -> None:
-    """Write one resumable checkpoint atomically. `run` carries bookkeeping (attempt, elapsed...).
+                    run: dict, ema=None) -> None:
+    """Write one resumable checkpoint atomically. `run` carries bookkeeping (attempt, elapsed...);
+    `ema` the EMA weights (model/ema.py) when train.ema is on.
     The checkpoint it replaces is kept as <name>.prev.pt (see keep_previous)."""
     keep_previous(Path(path))
     torch_save({
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
+        "ema": ema.state_dict() if ema is not None else None,
         "step": int(step),
         "best": dict(best),
         "rng": rng_state(),
@@ -161,11 +163,26 @@ def load_resume_checkpoint(out_dir: Path) -> tuple[dict | None, str | None]:
                    f"{previous.name} at step {state['step']}, so the steps after it run again")
 
 
-def restore(state: dict, *, model, optimizer, schedule) -> None:
-    """Load model/optimizer/schedule from a checkpoint; RNG is restored last by the caller."""
+def restore(state: dict, *, model, optimizer, schedule, ema=None) -> None:
+    """Load model/optimizer/schedule (and the EMA weights) from a checkpoint; RNG is restored last
+    by the caller. A checkpoint resumes only under the same train.ema (train/resume.py), so an EMA
+    run's checkpoint carries its EMA."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
+    if ema is not None:
+        if not state.get("ema"):
+            raise CheckpointError("checkpoint: train.ema is on but the checkpoint carries no EMA weights")
+        ema.load_state_dict(state["ema"])
+
+
+def held_weights(state: dict) -> tuple[dict, str]:
+    """(state_dict, "raw" | "ema"): the weights a best checkpoint stands for: the EMA ones when its
+    `best` score was the EMA's (best["weights"]), else the raw model's."""
+    if state["best"].get("weights") == "ema" and state.get("ema"):
+        averaged = state["ema"]["params"]
+        return {k: averaged.get(k, v) for k, v in state["model"].items()}, "ema"
+    return state["model"], "raw"
 
 
 def copy_checkpoint(source: Path, dest: Path) -> None:

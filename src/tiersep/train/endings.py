@@ -135,8 +135,8 @@ def finish(run) -> int:
     per_rank = distributed.gather(record.rank_memory(run)) if run.ranks is not None else None
     if not run.main:
         return EXIT_OK
-    weights_step = record.export_model(run)
-    written = record.run_record(run, weights_step)
+    weights_step, held = record.export_model(run)
+    written = record.run_record(run, weights_step, held)
     if per_rank is not None:
         written["per_rank"] = per_rank
     record.write_run(run.out_dir, written)

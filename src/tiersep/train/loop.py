@@ -40,9 +40,9 @@ class Training:
         self.resumed_from = None
         self.loop_start = None
         # set by build(): model, parameters, loss_fn, optimizer, schedule, best, step_model, dataset,
-        # segments, trace, make_loader; on rank 0 val_mix, val_stems, the logs metrics and memory,
-        # and the tracker (TensorBoard, W&B: tracking.py) fed the same rows
-        self.model = self.optimizer = self.metrics = self.memory = self.tracker = None
+        # segments, trace, make_loader, ema (train.ema); on rank 0 val_mix, val_stems, the logs
+        # metrics and memory, and the tracker (TensorBoard, W&B: tracking.py) fed the same rows
+        self.model = self.optimizer = self.metrics = self.memory = self.tracker = self.ema = None
         self.compile_info = {"requested": plan.preset["train"]["compile"], "compiled": False, "reason": None}
 
     def checkpoint(self) -> None:
@@ -55,7 +55,7 @@ class Training:
             "recovered_from": self.plan.recovered_from, "downshifted_from": self.plan.downshifted_from})
         ckpt.save_checkpoint(ckpt.last_path(self.out_dir), model=self.model, optimizer=self.optimizer,
                              schedule=self.schedule, step=self.step, best=self.best, preset=self.preset,
-                             run=self.run_info)
+                             run=self.run_info, ema=self.ema)
 
     def train_seconds(self) -> float:
         return self.elapsed_before + (time.time() - self.loop_start if self.loop_start else 0.0)
@@ -176,7 +176,7 @@ class Training:
         chunks = [(m.to(self.device, non_blocking=True), s.to(self.device, non_blocking=True))
                   for m, s in zip(mixture.split(micro), stems.split(micro))]
         loss, grad_norm = train_step(self.step_model, self.loss_fn, self.optimizer, chunks, self.preset,
-                                     self.device.type)
+                                     self.device.type, ema=self.ema)
         loss, grad_norm = float(loss), float(grad_norm)
         if self.ranks is not None:   # each rank's loss is over its share; the step's is their mean
             loss = distributed.mean_over_ranks(loss, self.device)
@@ -189,25 +189,42 @@ class Training:
 
     def _validate(self) -> tuple[dict, dict]:
         """Validation on rank 0 (the only one with the validation segments); the other ranks wait
-        for its scores, which their plateau schedule and best-score bookkeeping need too.
+        for its scores, which their plateau schedule and best-score bookkeeping need too. With
+        train.ema the EMA weights are scored too (the *_ema columns): the plateau schedule follows
+        the EMA's loss, and best.pt keeps whichever of raw and EMA has the higher SI-SDR.
         Returns (scores, audio for the curves: empty on the other ranks)."""
-        scores, audio = (validate(self.model, self.loss_fn, self.val_mix, self.val_stems,
-                                  self.t["batch_size"], self.preset, self.device, self.audio_samples)
-                         if self.main else (None, {}))
+        scores, audio = self._scores() if self.main else (None, {})
         if self.ranks is not None:
             scores = distributed.from_main(scores)
-        self.schedule.observe(scores["val_loss"])
-        if math.isfinite(scores["val_si_sdr"]) and scores["val_si_sdr"] > self.best["val_si_sdr"]:
-            self.best = {"val_si_sdr": scores["val_si_sdr"], "step": self.step,
-                         "val_sdr": scores["val_sdr"], "val_loss": scores["val_loss"]}
+        held = "ema" if self.ema is not None else "raw"
+        self.schedule.observe(scores["val_loss_ema" if held == "ema" else "val_loss"])
+        if self.ema is not None and not scores["val_si_sdr_ema"] >= scores["val_si_sdr"]:
+            held = "raw"   # the raw weights scored higher (or the EMA's score is not finite)
+        suffix = "_ema" if held == "ema" else ""
+        chosen = {k: scores[k + suffix] for k in ("val_si_sdr", "val_sdr", "val_loss")}
+        if math.isfinite(chosen["val_si_sdr"]) and chosen["val_si_sdr"] > self.best["val_si_sdr"]:
+            self.best = {"val_si_sdr": chosen["val_si_sdr"], "step": self.step,
+                         "val_sdr": chosen["val_sdr"], "val_loss": chosen["val_loss"],
+                         **({"weights": held} if self.ema is not None else {})}
             # last.pt first: a resumed run then always finds its best weights (see build._restore).
             self.checkpoint()
             if self.main:
                 ckpt.copy_checkpoint(ckpt.last_path(self.out_dir), ckpt.best_path(self.out_dir))
         if not self.main:
             return scores, audio
+        ema = f" (EMA {scores['val_si_sdr_ema']:.2f} dB)" if self.ema is not None else ""
         tqdm.write(f"{self.preset['name']} step {self.step}: val loss {scores['val_loss']:.4f}, "
-                   f"SDR {scores['val_sdr']:.2f} dB, SI-SDR {scores['val_si_sdr']:.2f} dB",
+                   f"SDR {scores['val_sdr']:.2f} dB, SI-SDR {scores['val_si_sdr']:.2f} dB{ema}",
                    file=sys.stderr)
+        return scores, audio
+
+    def _scores(self) -> tuple[dict, dict]:
+        """(the raw weights' validation scores, and the EMA weights' as *_ema (train.ema); the raw
+        weights' audio clips for the curves)."""
+        args = (self.loss_fn, self.val_mix, self.val_stems, self.t["batch_size"], self.preset, self.device)
+        scores, audio = validate(self.model, *args, self.audio_samples)
+        if self.ema is not None:
+            ema_scores, _ = validate(self.ema.module(self.model), *args)
+            scores.update({f"{k}_ema": v for k, v in ema_scores.items()})
         return scores, audio
 

@@ -96,7 +96,7 @@ def gate_budget(cfg: dict, device: torch.device, start_free: int) -> int | None:
 def usable_estimate(estimate_path, preset: dict, device: torch.device, allocator: dict,
                     downshifted: bool) -> tuple[dict | None, str | None]:
     """(the estimate file's record, None) when it was made for this run, else (None, why not):
-    another device, preset, micro-batch or allocator mode, or a record that does not validate."""
+    another device, preset, micro-batch, allocator mode or train.ema, or a record that does not validate."""
     if estimate_path is None or not Path(estimate_path).is_file():
         return None, None
     from tiersep.records import RecordError, validate_record
@@ -107,6 +107,8 @@ def usable_estimate(estimate_path, preset: dict, device: torch.device, allocator
         return None, f"{str(err).splitlines()[0]}; not trusted, estimating again"
     if record.get("device") != device.type or record.get("preset") not in (None, preset["name"]) or downshifted:
         return None, None
+    if bool(record.get("ema")) != bool(preset["train"].get("ema")):   # the EMA copy is booked or not
+        return None, f"{estimate_path} was made {'with' if record.get('ema') else 'without'} train.ema; estimating again"
     expandable = (record.get("allocator") or {}).get("expandable_segments")
     if device.type == "cuda" and expandable is not None and expandable != allocator["expandable_segments"]:
         return None, f"{estimate_path} models another allocator mode; estimating again"

@@ -20,7 +20,7 @@ from tiersep.train.telemetry import column_max
 # The estimate fields run.json keeps beside the measurement.
 ESTIMATE_FIELDS = ("peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "gate_required_bytes",
                    "largest_allocation_bytes", "method", "device", "budget_bytes", "fits", "uncertainty",
-                   "attention_backend", "calibration", "allocator", "cpu_process", "compiled", "compiled_note")
+                   "attention_backend", "calibration", "allocator", "cpu_process", "compiled", "compiled_note", "ema")
 
 
 def write_failure(out_dir: Path, kind: str, message: str, **extra) -> None:
@@ -53,7 +53,7 @@ def write_oom_failure(run, err: BaseException, memory: dict) -> str:
     return first
 
 
-def run_record(run, weights_step: int) -> dict:
+def run_record(run, weights_step: int, held: str) -> dict:
     """run.json of a finished Training `run`."""
     plan, t, probe = run.plan, run.t, run.plan.probe
     peak_alloc, peak_reserved = probe.peaks()
@@ -89,7 +89,9 @@ def run_record(run, weights_step: int) -> dict:
         "recovered_from": plan.recovered_from, "resumed_from": run.resumed_from,
         "resume_warning": plan.resume_warning,
         "best": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in run.best.items()},
-        "exported": {"weights": t["export"], "step": int(weights_step)},
+        # weights: train.export (best | last); holds: which of them, raw or ema (train.ema)
+        "exported": {"weights": t["export"], "step": int(weights_step), "holds": held},
+        "ema": t.get("ema"),
         "versions": versions(), "torch_threads": torch.get_num_threads(),
         "estimate": {k: est.get(k) for k in ESTIMATE_FIELDS} if est else None,
         "gate_budget_bytes": plan.budget,
@@ -134,19 +136,21 @@ def has_results(out_dir: Path) -> bool:
     return False
 
 
-def export_model(run) -> int:
-    """Write model.pt with the weights train.export asks for: the best validation weights (best.pt)
-    or the last ones. Returns the step they are from."""
-    weights, step = run.model.state_dict(), run.step
+def export_model(run) -> tuple[int, str]:
+    """Write model.pt with the weights train.export asks for: the best validation weights (best.pt,
+    raw or EMA, whichever scored higher) or the last ones (the EMA's with train.ema). model.pt's
+    `weights` says which: raw or ema. Returns the step they are from and that."""
+    held = "ema" if run.ema is not None else "raw"
+    weights, step = (run.ema.weights(run.model) if run.ema is not None else run.model.state_dict()), run.step
     best_file = ckpt.best_path(run.out_dir)
     if run.t["export"] == "best" and best_file.is_file() and run.best.get("step") is not None:
         best_state = ckpt.load_checkpoint(best_file)
         if best_state["step"] == run.best["step"]:
-            weights, step = best_state["model"], run.best["step"]
+            (weights, held), step = ckpt.held_weights(best_state), run.best["step"]
         else:
             print(f"tiersep train: {best_file} holds step {best_state['step']}, not the best step "
                   f"{run.best['step']}; exporting the last weights", file=sys.stderr)
     weights = {k: v.detach().cpu() for k, v in weights.items()}
     torch_save({"model": weights, "preset": run.preset, "step": int(step), "final_step": run.step,
-                "export": run.t["export"]}, run.out_dir / "model.pt")
-    return int(step)
+                "export": run.t["export"], "weights": held}, run.out_dir / "model.pt")
+    return int(step), held

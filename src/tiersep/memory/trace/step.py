@@ -8,7 +8,7 @@ adds what CUDA kernels allocate internally, the host-side AdamW step counters ar
 timeline is replayed through the caching-allocator model.
 
 The timeline follows the real run (memory/trace/workload.py, as memory/measure.py runs it): the weights
-moved to the device one by one, the AdamW state created by one step on zero gradients, every
+moved to the device one by one, the EMA copy of them (train.ema), the AdamW state created by one step on zero gradients, every
 micro-batch's inputs made resident (0.1 * randn), then `steps` training steps. The first step is
 traced; later ones repeat its events, after freeing what it left (the gradients, which the next
 step's zero_grad frees first), so that the allocator sees the steady state a long run reaches.
@@ -64,6 +64,7 @@ class TraceResult:
     expandable_segments: bool = False
     notes: list = field(default_factory=list)
     compiled: bool = False          # the step of the torch.compile'd model
+    ema_bytes: int = 0              # train.ema's copy of the weights (part of breakdown["weights"])
     data_parallel: dict | None = None   # a rank's DDP buckets and communicator (memory/trace/ranks.py)
 
 
@@ -81,6 +82,7 @@ class RecordedStep:
     persistent: set                 # allocated once per process (cuBLAS workspaces)
     micro_batches: int
     emulation: CudaEmulation | None
+    ema: set = field(default_factory=set)   # train.ema's copy of the weights (counted among the weights)
 
 
 @contextlib.contextmanager
@@ -166,7 +168,10 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         with tracker:
             work = build_workload(preset, device, lambda *shape: 0.1 * torch.randn(shape), build, move=False)
         model, optimizer, params = work.model, work.optimizer, work.params
-        weights = {tracker.key_of(x) for x in params + list(model.buffers())}
+        ema = {tracker.key_of(x) for x in work.ema.params} if work.ema else set()
+        if work.ema:   # the traced step is one that averages (train.ema.every > 1 skips some)
+            work.ema.steps = work.ema.every - 1
+        weights = {tracker.key_of(x) for x in params + list(model.buffers())} | ema
         optimizer_keys = {tracker.key_of(x) for x in work.optimizer_state()}
         host = {tracker.key_of(s["step"]) for s in optimizer.state.values()
                 if isinstance(s.get("step"), torch.Tensor)} if device == "cuda" else set()
@@ -180,7 +185,7 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         with emulated(step_model, tracker, emulation, bf16, starts, ends) as stack:
             stack.enter_context(tracker)
             stack.enter_context(holder.tracking(tracker) if holder else contextlib.nullcontext())
-            train_step(step_model, work.loss_fn, optimizer, work.inputs[:traced], preset, device)
+            train_step(step_model, work.loss_fn, optimizer, work.inputs[:traced], preset, device, ema=work.ema)
         tracker.stop()
         gradients = {tracker.key_of(p.grad) for p in params if p.grad is not None}
 
@@ -190,7 +195,7 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
                                   sync_frees)
     return RecordedStep(timeline, step_start, sum(p.numel() for p in params), weights - {None},
                         optimizer_keys - {None}, host - {None}, inputs - {None}, gradients - {None},
-                        persistent, traced, emulation)
+                        persistent, traced, emulation, ema - {None})
 
 
 def _all_micro_batches(timeline: Timeline, starts: list, ends: list, micro_batches: int, traced: int,
@@ -431,7 +436,7 @@ def summarize(rec: RecordedStep, device: str, expandable_segments: bool = False,
         events=len(rec.timeline.events),
         steps=steps,
         expandable_segments=expandable_segments if device == "cuda" else False,
-        notes=notes, compiled=compiled)
+        notes=notes, compiled=compiled, ema_bytes=total(rec.ema))
 
 
 def peak_from(timeline: Timeline, start: int, exclude: set) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """One training step's state, built alike for the trace (fake tensors) and for measure (real ones).
 
-Steady state, not the first step: AdamW's state (exp_avg, exp_avg_sq) exists before the step, as in
+The EMA copy of the weights (train.ema) is made where the trainer makes it: right after the model is
+on the device, before the optimizer's state. Steady state, not the first step: AdamW's state (exp_avg, exp_avg_sq) exists before the step, as in
 every step after the first, and every micro-batch's inputs are resident, as the trainer moves the
 whole effective batch to the device before the step.
 """
@@ -12,6 +13,7 @@ from typing import Callable
 import torch
 
 from tiersep.model import build_loss, build_model
+from tiersep.model.ema import Ema
 from tiersep.model.step import make_optimizer
 
 
@@ -22,6 +24,7 @@ class Workload:
     optimizer: torch.optim.Optimizer
     params: list
     inputs: list       # [(mixture [B, C, S], stems [B, n_src, C, S])] * grad_accum
+    ema: Ema | None = None   # train.ema's copy of the weights, updated by train_step
 
     def optimizer_state(self) -> list[torch.Tensor]:
         return [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -39,6 +42,7 @@ def build_workload(preset: dict, device_type: str, make_input: Callable[..., tor
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn = loss_fn.to(device_type)
     model.train()
+    ema = Ema.from_preset(model, preset)
     optimizer = make_optimizer(model, preset, device_type)
     params = list(model.parameters())
     for p in params:   # AdamW state as after the first step
@@ -48,4 +52,4 @@ def build_workload(preset: dict, device_type: str, make_input: Callable[..., tor
     batch, n_src = t["batch_size"], len(preset["model"]["sources"])
     shape = (batch, a["channels"], a["segment_samples"])
     inputs = [(make_input(*shape), make_input(batch, n_src, *shape[1:])) for _ in range(t["grad_accum"])]
-    return Workload(model, loss_fn, optimizer, params, inputs)
+    return Workload(model, loss_fn, optimizer, params, inputs, ema)
