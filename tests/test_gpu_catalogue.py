@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 TIERSEP = str(Path(sys.executable).parent / "tiersep")
 GIB = 2**30
 # the list, by short name
-REQUIRED = {"p100", "v100-16gb", "v100-32gb", "t4", "rtx2080ti", "rtx3060", "rtx3090", "rtx4060ti-8gb",
+REQUIRED = {"p100", "v100-16gb", "v100-32gb", "t4", "rtx2080ti", "rtx3060", "rtx3060-8gb", "rtx3090", "rtx4060ti-8gb",
             "rtx4060ti-16gb", "rtx4090", "a10", "a100-40gb", "a100-80gb", "l4", "l40s", "h100", "h200", "b200"}
 # what each generation runs, written out (not derived): sdp_utils.cpp's flash and cuDNN sm80-sm121,
 # memory-efficient sm50-sm121
@@ -78,6 +78,8 @@ def test_cards_that_share_a_name_are_told_apart_by_memory(monkeypatch):
                  {"name": "NVIDIA GeForce RTX 4060 Ti", "total": 8_585_740_288})
     assert [gpu_info.catalogue_entry(i).name for i in (0, 1)] == ["rtx4060ti-16gb", "rtx4060ti-8gb"]
     assert gpu_catalogue.catalogue_entry("NVIDIA GeForce RTX 4060 Ti").name == "rtx4060ti-8gb"   # the smaller
+    fake_machine(monkeypatch, {"name": "NVIDIA GeForce RTX 3060", "total": 12_884_901_888 - 300 * 2**20})
+    assert gpu_info.catalogue_entry().name == "rtx3060"
 
 
 def test_an_unknown_card_falls_back_conservatively_with_a_note(monkeypatch):

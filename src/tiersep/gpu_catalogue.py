@@ -69,9 +69,11 @@ CATALOGUE: tuple[GpuEntry, ...] = (
     _gpu("t4", "T4", ("Tesla T4",), 16, (7, 5), False, PRE_AMPERE),
     _gpu("rtx2080ti", "RTX 2080 Ti", ("NVIDIA GeForce RTX 2080 Ti", "GeForce RTX 2080 Ti"), 11, (7, 5), False,
          PRE_AMPERE),
+    # the 12 and 8 GB RTX 3060, like the 16 and 8 GB RTX 4060 Ti, report the same NVML name:
+    # catalogue_entry tells them apart by memory
     _gpu("rtx3060", "RTX 3060 12GB", ("NVIDIA GeForce RTX 3060",), 12, (8, 6), True, ALL),
+    _gpu("rtx3060-8gb", "RTX 3060 8GB", ("NVIDIA GeForce RTX 3060",), 8, (8, 6), True, ALL),
     _gpu("rtx3090", "RTX 3090", ("NVIDIA GeForce RTX 3090",), 24, (8, 6), True, ALL),
-    # the 8 and 16 GB cards report the same NVML name: catalogue_entry tells them apart by memory
     _gpu("rtx4060ti-8gb", "RTX 4060 Ti 8GB", ("NVIDIA GeForce RTX 4060 Ti",), 8, (8, 9), True, ALL),
     _gpu("rtx4060ti-16gb", "RTX 4060 Ti 16GB", ("NVIDIA GeForce RTX 4060 Ti",), 16, (8, 9), True, ALL),
     _gpu("rtx4090", "RTX 4090", ("NVIDIA GeForce RTX 4090",), 24, (8, 9), True, ALL),
@@ -95,7 +97,7 @@ def by_name() -> dict[str, GpuEntry]:
 
 def named(text: str) -> GpuEntry | None:
     """The entry `text` names: its short name, model or an NVML alias, any case; None if none does.
-    An alias two entries share (the RTX 4060 Ti) names the smaller card."""
+    An NVML name two entries share (RTX 3060, RTX 4060 Ti) names the smaller card."""
     wanted = text.strip().lower()
     found = [e for e in CATALOGUE if wanted in {e.name, e.model.lower(), *(a.lower() for a in e.aliases)}]
     return min(found, key=lambda e: e.memory_bytes) if found else None

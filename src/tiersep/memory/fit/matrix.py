@@ -16,9 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiersep.config import ConfigError
-
 from tiersep import gpu_catalogue
+from tiersep.config import ConfigError
 
 from .. import accuracy, calibration
 from ..constants import GIB
