@@ -51,7 +51,7 @@ def import_graph() -> dict[str, set[str]]:
 LAYERS = [
     ["", "io", "resources"],                                           # files, the package's own data
     ["config"],                                                        # config, presets, schemas, one-line errors
-    ["model", "records", "outputs", "device", "gpu_info", "gpu_lease", "lock", "probe", "malloc"],
+    ["model", "records", "outputs", "device", "gpu_info", "gpu_catalogue", "gpu_lease", "lock", "probe", "malloc"],
     ["data"],                                                          # datasets: prepare, ingest, load
     ["memory"],                                                        # estimates, the fit gate
     ["separate"],                                                      # overlap-add, `tiersep separate`

@@ -44,6 +44,8 @@ def test_unknown_name_lists_the_known_ones():
      "context_bytes: expected a non-negative integer, got -5"),
     ('{"name": "x", "torch": "2.3.1", "context_bytes": 5, "cublas_workspace_bytes": 1}',
      "torch: calibrated with torch 2.3.1, this is"),
+    ('{"name": "x", "torch": "2.11.0", "context_bytes": 5, "cublas_workspace_bytes": 1, "capability": "sm75"}',
+     "capability: expected [major, minor] (two non-negative integers), got 'sm75'"),
 ])
 def test_bad_calibration_files_name_the_file_and_field(tmp_path, content, message):
     path = tmp_path / "cal.json"

@@ -469,8 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget_or_gpus = p.add_mutually_exclusive_group(required=True)
     budget_or_gpus.add_argument("--budget", type=budget_gib, metavar="GIB", help="budget in GiB")
     budget_or_gpus.add_argument("--gpus", metavar="LIST", help="comma-separated budgets: "
-                                "numbers of GiB and GPU names of the calibration table (their memory), e.g. "
-                                "8,12,16,24,40,48,80,96 or 'NVIDIA H100 80GB HBM3'")
+                                "numbers of GiB and GPUs of the catalogue (their memory; docs/memory.md "
+                                "\"GPUs\"), e.g. 8,12,16,24,40,48,80,96 or t4,v100-16gb,rtx3090,a100-40gb,h100")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"],
                    help="device the estimate models (default from config estimate.device; --gpus: cuda)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates "

@@ -139,6 +139,27 @@ def name(index: int | None = None) -> str | None:
         return None
 
 
+def total_bytes(index: int | None = None) -> int | None:
+    """Total memory of GPU `index` in bytes (default this process's cuda:0), or None without NVML."""
+    index = _cuda0(index)
+    if os.environ.get(FAKE_GPUS_ENV) is not None or index is None:
+        return (_fake(index) or {}).get("total_bytes")
+    try:
+        with _nvml() as nvml:
+            return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index)).total)
+    except Exception:  # ImportError, NVMLError
+        return None
+
+
+def catalogue_entry(index: int | None = None):
+    """GPU `index`'s entry in the GPU catalogue (default this process's cuda:0), its NVML name and
+    memory telling cards apart; an unknown card, or none, gets the conservative fallback whose note
+    says so (tiersep.gpu_catalogue)."""
+    from tiersep import gpu_catalogue
+
+    return gpu_catalogue.catalogue_entry(name(index), total_bytes(index))
+
+
 def driver_version() -> str | None:
     """The NVIDIA driver's version, or None without NVML."""
     try:

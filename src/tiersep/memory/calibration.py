@@ -36,6 +36,13 @@ def builtin() -> dict[str, Path]:
     return {json.loads(p.read_text())["name"]: p for p in sorted(BUILTIN_DIR.glob("*.json"))}
 
 
+def most_conservative() -> str:
+    """The built-in calibration with the largest context and workspace: what a GPU without one of
+    its own is estimated with."""
+    known = builtin()
+    return max(known, key=lambda n: read(known[n])["context_bytes"] + read(known[n])["cublas_workspace_bytes"])
+
+
 def read(path: str | Path) -> dict:
     """A calibration file, checked: one-line errors name the file and the field."""
     import torch
@@ -58,6 +65,11 @@ def read(path: str | Path) -> dict:
                 kind is int and record[field] < 0):
             raise ConfigError(f"{path}: {field}: expected a {'non-negative integer' if kind is int else 'string'}, "
                               f"got {record[field]!r}")
+    capability = record.get("capability")   # [major, minor]; files from before issue 31 have none
+    if capability is not None and not (isinstance(capability, list) and len(capability) == 2 and all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability)):
+        raise ConfigError(f"{path}: capability: expected [major, minor] (two non-negative integers), "
+                          f"got {capability!r}")
     if _torch_minor(record["torch"]) != _torch_minor(torch.__version__):
         raise ConfigError(f"{path}: torch: calibrated with torch {record['torch']}, this is {torch.__version__} "
                           "(the context and workspaces change between versions: run `tiersep calibrate`)")
@@ -77,7 +89,7 @@ def _resolve(spec: str, device_name: str | None) -> dict:
         name = device_name if device_name is not None else gpu_info.name()
         if name in known:
             return {**read(known[name]), "used": {"name": name, "source": "built-in", "why": "matched this GPU"}}
-        worst = max(known, key=lambda n: read(known[n])["context_bytes"] + read(known[n])["cublas_workspace_bytes"])
+        worst = most_conservative()
         why = (f"no built-in calibration for {name!r}" if name else "no GPU visible") + \
             f": using the most conservative built-in entry, {worst} (run `tiersep calibrate` on your GPU)"
         return {**read(known[worst]), "used": {"name": worst, "source": "built-in", "why": why}}
@@ -127,6 +139,7 @@ def measure(progress=print) -> dict:
     return {
         "name": torch.cuda.get_device_name(0),
         "total_memory_bytes": int(props.total_memory),
+        "capability": list(torch.cuda.get_device_capability(0)),   # which generation it holds
         "driver": gpu_info.driver_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -4,18 +4,19 @@
 Each tier gets one FitSearch (memory/fit/search.py): one trace of the preset, the analytic form scaled by
 it for the search, and one trace per distinct chosen variant, kept across budgets. A cell is
 therefore exactly what `tiersep fit --preset P --budget B` derives, judged by the gate's rule
-(estimate.finish). A budget is a number of GiB or a GPU of the calibration table
-(memory/calibrations/): its total memory, estimated with its own calibration.
+(estimate.finish). A budget is a number of GiB or a GPU of the catalogue
+(tiersep.gpu_catalogue): its memory, estimated with its own built-in calibration where one was
+measured (memory/calibrations/), else the most conservative one.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiersep import gpu_catalogue
 from tiersep.config import ConfigError
 
 from .. import accuracy, calibration
@@ -31,53 +32,53 @@ SHORTER_SEGMENT_NOTE = "marked with *: a shorter training segment, it changes wh
 
 @dataclass(frozen=True)
 class Budget:
-    label: str              # how the column is headed: "24 GiB", "NVIDIA H100 80GB HBM3"
+    label: str                     # how the column is headed: "24 GiB", "T4"
     bytes: int
-    gpu: str | None = None  # a GPU of the calibration table: its memory, its calibration
+    gpu: str | None = None         # a GPU of the catalogue (tiersep.gpu_catalogue): its short name
+    calibration: str | None = None  # the built-in calibration its cells are estimated with
 
     def as_record(self) -> dict:
         return {"label": self.label, "bytes": self.bytes, "gib": round(self.bytes / GIB, 3), "gpu": self.gpu}
 
 
 # ---- budgets ------------------------------------------------------------------------------------
-def gpu_sizes() -> dict[str, int]:
-    """Total memory in bytes of every GPU in the calibration table, by name."""
-    sizes = {}
-    for name, path in calibration.builtin().items():
-        total = json.loads(Path(path).read_text()).get("total_memory_bytes")
-        if isinstance(total, int) and total > 0:
-            sizes[name] = total
-    return sizes
+def calibration_for(entry: gpu_catalogue.GpuEntry) -> str:
+    """The built-in calibration of a catalogue GPU: its own where one was measured, else the most
+    conservative one (as `auto` picks for a card without one)."""
+    known = calibration.builtin()
+    return next((alias for alias in entry.aliases if alias in known), None) or calibration.most_conservative()
 
 
-def gpu_named(text: str, where: str) -> str:
-    """The table's name for `text`: the name itself or a unique part of it, any case ("h100")."""
-    sizes = gpu_sizes()
-    exact = [n for n in sizes if n.lower() == text.lower()]
-    partial = [n for n in sizes if text.lower() in n.lower()]
-    found = exact or partial
-    if len(found) != 1:
-        why = "matches several GPUs" if found else "is not a GPU of the calibration table"
-        raise ConfigError(f"{where}: {text[:80]!r} {why} (known: {', '.join(sorted(sizes)) or 'none'}; "
-                          "or a number of GiB)")
-    return found[0]
+def gpu_named(text: str, where: str) -> gpu_catalogue.GpuEntry:
+    """The catalogue entry `text` names (short name, model or NVML name, any case)."""
+    entry = gpu_catalogue.named(text)
+    if entry is None:
+        raise ConfigError(f"{where}: {text[:80]!r} is not a GPU of the catalogue (known: "
+                          f"{', '.join(gpu_catalogue.by_name())}; or a number of GiB)")
+    return entry
 
 
 def budget_of(item, where: str) -> Budget:
-    """A Budget from a number of GiB (int, float or its text) or a GPU name."""
+    """A Budget from a number of GiB (int, float or its text) or a GPU of the catalogue (its memory,
+    its calibration)."""
     given = item
     if isinstance(item, str):
         try:
             item = float(item)
         except ValueError:
-            name = gpu_named(item.strip(), where)
-            return Budget(name, gpu_sizes()[name], name)
+            entry = gpu_named(item.strip(), where)
+            return Budget(entry.model, entry.memory_bytes, entry.name, calibration_for(entry))
     if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) \
             or not 0 < item <= MAX_BUDGET_GIB:
         shown = given if isinstance(given, str) else repr(given)
         raise ConfigError(f"{where}: {shown[:80]} is not a budget (a number of GiB > 0 and <= {MAX_BUDGET_GIB}, "
                           "or a GPU name)")
     return Budget(f"{item:g} GiB", int(item * GIB))
+
+
+def column_title(budget: dict) -> str:
+    """A column's heading from its record: "T4 (16.0 GiB)" for a GPU, "24 GiB" for a number."""
+    return f"{budget['label']} ({budget['bytes'] / GIB:.1f} GiB)" if budget.get("gpu") else budget["label"]
 
 
 def parse_budgets(items: list, where: str) -> list[Budget]:
@@ -93,7 +94,7 @@ def parse_budgets(items: list, where: str) -> list[Budget]:
 
 
 def split_gpus(text: str) -> list[str]:
-    """`--gpus 8,12,NVIDIA H100 80GB HBM3` -> its items; an empty item is refused."""
+    """`--gpus 8,12,t4,NVIDIA H100 80GB HBM3` -> its items; an empty item is refused."""
     items = [part.strip() for part in text.split(",")]
     if not text.strip():
         return []
@@ -216,8 +217,8 @@ def cell_of(search: FitSearch, budget: Budget) -> tuple[dict, dict | None]:
 
 # ---- the matrix ---------------------------------------------------------------------------------
 def settings_for(budget: Budget, settings: GateSettings) -> GateSettings:
-    """A GPU of the table is estimated with its own calibration; a number of GiB with the config's."""
-    return settings.calibrated(budget.gpu) if budget.gpu is not None else settings
+    """A GPU of the catalogue is estimated with its calibration; a number of GiB with the config's."""
+    return settings.calibrated(budget.calibration) if budget.calibration is not None else settings
 
 
 def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
@@ -299,7 +300,7 @@ def build(tiers: list[tuple[str, dict]], budgets: list[Budget], settings: GateSe
 
 
 def cell_preset_name(original: dict, budget: Budget) -> str:
-    """`P_fit_24gib` (as `tiersep fit --budget 24` names it), `P_fit_nvidia_h100_80gb_hbm3` for a GPU."""
+    """`P_fit_24gib` (as `tiersep fit --budget 24` names it), `P_fit_t4` for a GPU."""
     if budget.gpu is None:
         return fitted_name(original, budget.bytes)
     return f"{original['name']}_fit_" + "_".join(re.findall(r"[a-z0-9]+", budget.gpu.lower()))
@@ -364,14 +365,14 @@ def cell_text(cell: dict) -> str:
 
 def table_lines(record: dict) -> list[str]:
     """The matrix as text: one block per tier, one line per budget."""
-    width = max(len(b["label"]) for b in record["budgets"])
+    width = max(len(column_title(b)) for b in record["budgets"])
     lines = [f"what fits which GPU (cuda, {record['calibration']['name']}, {record['safety_margin']:.0%} margin; "
              f"{record['traces']} traces, {record['seconds']:.1f} s)"]
     for row in record["tiers"]:
         original = row["original"]
         lines.append(f"{row['tier']} (as is {original['peak_bytes'] / GIB:.2f} GiB):")
         for budget, cell in zip(record["budgets"], row["cells"]):
-            lines.append(f"  {budget['label']:<{width}}  {cell_text(cell)}")
+            lines.append(f"  {column_title(budget):<{width}}  {cell_text(cell)}")
     if any(c["changes_input"] for row in record["tiers"] for c in row["cells"]):
         lines.append(SHORTER_SEGMENT_NOTE)
     return lines

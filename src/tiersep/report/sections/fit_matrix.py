@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from tiersep.memory.fit.matrix import column_title
 from tiersep.report.collect import Collected
 from tiersep.report.sections.table import Cell, Column, Table, make_table
 from tiersep.report.units import format_bytes
@@ -63,10 +64,7 @@ def same_budget(budget: dict, own_budget: int | None) -> bool:
 
 
 def header(budget: dict, own_budget: int | None) -> str:
-    label = budget["label"]
-    if budget.get("gpu"):
-        label += f" ({budget['bytes'] / 2**30:.1f} GiB)"
-    return label + (" · your budget_gib" if same_budget(budget, own_budget) else "")
+    return column_title(budget) + (" · your budget_gib" if same_budget(budget, own_budget) else "")
 
 
 def fit_matrix_table(collected: Collected) -> Table:
