@@ -13,9 +13,12 @@ The fused kernels take bf16 only from sm80 (check_dtypes_low_precision: below sm
 which is also where bf16 is native in the hardware.
 
 Memory: the total the driver reports, where a card was measured (its calibration's
-total_memory_bytes); elsewhere the marketed size read as GiB ("nominal"), which the driver
-reports a little less of (ECC, reserved pages): such a budget is an upper bound, and each entry
-says which it is.
+total_memory_bytes); elsewhere the marketed size read as decimal gigabytes, 10^9 bytes
+("nominal"). That is meant as a lower bound: GPU memory is sold in binary gigabytes, of which the
+driver keeps a little (ECC, reserved pages); the one card measured here, the H100 sold as 80 GB,
+reports 85.0e9 bytes (79.2 GiB). Read as GiB a nominal size is an upper bound, and a fit could be
+claimed on memory the card does not have. `tiersep calibrate` on the card records its real total.
+Each entry says which it is.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class GpuEntry:
     model: str                   # how a column is headed
     aliases: tuple[str, ...]     # the names NVML reports (nvidia-smi, torch.cuda.get_device_name)
     memory_bytes: int
-    memory_source: str           # "nominal" (marketed GiB) or where the measured total comes from
+    memory_source: str           # "nominal" (marketed GB as 10^9 bytes) or where the measured total comes from
     capability: tuple[int, int]  # compute capability (major, minor)
     bf16: bool                   # native bf16 (sm80+)
     kernels: tuple[str, ...]     # SDPA kernels torch 2.11 can run on it, in KERNELS order
@@ -52,9 +55,9 @@ class GpuEntry:
                 "bf16": self.bf16, "kernels": list(self.kernels), "note": self.note}
 
 
-def _gpu(name: str, model: str, aliases: tuple[str, ...], gib: float, capability: tuple[int, int],
+def _gpu(name: str, model: str, aliases: tuple[str, ...], gb: float, capability: tuple[int, int],
          bf16: bool, kernels: str, memory_bytes: int | None = None, source: str = "nominal") -> GpuEntry:
-    return GpuEntry(name, model, aliases, memory_bytes or int(gib * GIB), source, capability, bf16,
+    return GpuEntry(name, model, aliases, memory_bytes or int(gb * 10**9), source, capability, bf16,
                     tuple(kernels.split()))
 
 
@@ -139,7 +142,8 @@ def table_markdown() -> list[str]:
     lines = ["| name | model | NVML names | memory | capability | bf16 | SDPA kernels |",
              "|---|---|---|---|---|---|---|"]
     for e in CATALOGUE:
-        memory = f"{e.memory_bytes / GIB:.1f} GiB " + ("(nominal)" if e.memory_source == "nominal" else "(measured)")
+        memory = (f"{e.memory_bytes / GIB:.1f} GiB (nominal {e.memory_bytes / 1e9:.0f} GB)" if e.memory_source == "nominal"
+                  else f"{e.memory_bytes / GIB:.1f} GiB (measured)")
         lines.append(f"| {e.name} | {e.model} | {', '.join(e.aliases)} | {memory} | {e.sm} | "
                      f"{'yes' if e.bf16 else 'no'} | {', '.join(e.kernels)} |")
     return lines

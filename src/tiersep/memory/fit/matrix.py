@@ -77,7 +77,7 @@ def budget_of(item, where: str) -> Budget:
 
 
 def column_title(budget: dict) -> str:
-    """A column's heading from its record: "T4 (16.0 GiB)" for a GPU, "24 GiB" for a number."""
+    """A column's heading from its record: "T4 (14.9 GiB)" for a GPU, "24 GiB" for a number."""
     return f"{budget['label']} ({budget['bytes'] / GIB:.1f} GiB)" if budget.get("gpu") else budget["label"]
 
 
