@@ -119,7 +119,7 @@ def largest_allocation(preset: dict, cond: Conditions) -> int:
     a, m, t = preset["audio"], preset["model"], preset["train"]
     T, F = frames_and_bins(preset)
     B = t["batch_size"]
-    act = 2 if t["precision"] == "bf16" else 4
+    act = 4 if t["precision"] == "fp32" else 2
     candidates = [B * T * F * 2 * m["ffn_hidden"] * act, B * T * F * 3 * m["attention_dim"] * act,
                   B * T * F * m["emb_dim"] * 4,
                   B * len(m["sources"]) * a["channels"] * T * F * 8]
