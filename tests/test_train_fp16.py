@@ -110,3 +110,22 @@ def test_a_collapsed_scale_stops_the_run_in_one_line(ws, tmp_path):
     assert not (out / "run.json").exists() and not (out / "model.pt").exists()
     # it stopped at the collapse, not at the end, and never logged a step it did not take
     assert len(metrics_rows(out)) == MAX_SKIPPED_IN_A_ROW - 1
+
+
+def test_the_fp16_estimate_models_half_activations_and_books_no_evidence_on_cuda():
+    from tiersep import config as C
+    from tiersep.memory import accuracy
+    from tiersep.memory.estimate import estimate
+
+    def preset(precision):
+        return C.set_field(C.load_preset("cpu_tiny"), "train.precision", precision)
+
+    assert estimate(preset("fp16"), "trace", "cpu")["peak_bytes"] != estimate(preset("fp32"), "trace", "cpu")["peak_bytes"]
+    for device in ("cpu", "cuda"):
+        bf16, fp16 = (estimate(preset(p), "trace", device) for p in ("bf16", "fp16"))
+        # float16 and bfloat16 are both 2 bytes: autocast lowers the same ops, so the same bytes
+        assert fp16["peak_bytes"] == bf16["peak_bytes"] and fp16["precision"] == "fp16"
+    assert fp16["uncertainty_class"]["dtype"] == "fp16" and "dtype" not in bf16["uncertainty_class"]
+    assert fp16["uncertainty"] == accuracy.NO_EVIDENCE_UNCERTAINTY > bf16["uncertainty"]
+    assert "no GPU measurement of this class" in fp16["uncertainty_evidence"]
+    assert ", fp16)" in fp16["uncertainty_evidence"]
