@@ -91,8 +91,7 @@ class Training:
 
     def _loop(self, flag: StopFlag) -> int:
         t, steps, micro = self.t, self.t["steps"], self.t["batch_size"]
-        injection = parse_injection(os.environ.get(INJECT_OOM_ENV))
-        poisoned = inf_steps(os.environ.get(INJECT_INF_ENV))
+        injection, poisoned = parse_injection(os.environ.get(INJECT_OOM_ENV)), inf_steps(os.environ.get(INJECT_INF_ENV))
         self._start_random_streams()
         self.model.train()
         self.loop_start = time.time()
@@ -115,8 +114,7 @@ class Training:
                 assert data_step == self.step, f"loader at step {data_step}, expected {self.step}"
                 self.trace.write(data_step, self.segments, mixture)
                 maybe_inject_oom(injection, data_step, micro, self.preset["name"], self.ranks.rank if self.ranks else 0)
-                if data_step in poisoned:
-                    mixture = torch.full_like(mixture, math.inf)
+                mixture = torch.full_like(mixture, math.inf) if data_step in poisoned else mixture
                 row = self._step(data_step, mixture, stems)
                 elapsed = time.time() - tick
                 if self.steps_this_process == 1 and self.compile_info["compiled"]:

@@ -146,9 +146,7 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     moves each gradient into its bucket in the micro-batch that synchronises)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
-    # the autocast dtype (bf16, fp16) or None; fp16's GradScaler is not traced (its .item() needs real
-    # values): its state and per-step flags are a few scalars, under 2 KiB of blocks
-    half = autocast_dtype(preset["train"]["precision"])
+    half = autocast_dtype(preset["train"]["precision"])   # fp16's GradScaler: untraced scalars (its .item())
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
     kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
     tracker = (CompiledStepTracker if compiled else StorageTracker)(
