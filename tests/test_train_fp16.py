@@ -125,6 +125,9 @@ def test_the_fp16_estimate_models_half_activations_and_books_no_evidence_on_cuda
         bf16, fp16 = (estimate(preset(p), "trace", device) for p in ("bf16", "fp16"))
         # float16 and bfloat16 are both 2 bytes: autocast lowers the same ops, so the same bytes
         assert fp16["peak_bytes"] == bf16["peak_bytes"] and fp16["precision"] == "fp16"
+    # the analytic closed form books fp16 with bf16's fitted coefficients (no fp16 mode of its own)
+    assert estimate(preset("fp16"), "analytic", "cuda")["peak_bytes"] == \
+        estimate(preset("bf16"), "analytic", "cuda")["peak_bytes"]
     assert fp16["uncertainty_class"]["dtype"] == "fp16" and "dtype" not in bf16["uncertainty_class"]
     assert fp16["uncertainty"] == accuracy.NO_EVIDENCE_UNCERTAINTY > bf16["uncertainty"]
     assert "no GPU measurement of this class" in fp16["uncertainty_evidence"]

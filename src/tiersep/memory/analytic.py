@@ -53,7 +53,9 @@ def kernel_class(cond: Conditions) -> str:
 
 def mode_of(preset: dict, cond: Conditions) -> str:
     m, t = preset["model"], preset["train"]
-    return "/".join([cond.device, t["precision"], "ckpt" if m["checkpointing"] else "full",
+    # fp16 is fitted as bf16: both 2 bytes, the same ops lowered, so the trace's bytes are the same
+    precision = "bf16" if t["precision"] == "fp16" else t["precision"]
+    return "/".join([cond.device, precision, "ckpt" if m["checkpointing"] else "full",
                      kernel_class(cond), "drop" if m["dropout"] > 0 else "nodrop"])
 
 
