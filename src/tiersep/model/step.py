@@ -3,7 +3,8 @@ separation.
 
 The estimator traces exactly this code on fake tensors, so what it predicts is what the trainer
 runs: keep every allocation of a training step here (autocast, accumulation, clipping, AdamW).
-Nothing here calls .item() or syncs: callers read the returned tensors when they need numbers.
+Nothing here calls .item() or syncs (except fp16's LossScaler, which reads its inf flag to decide
+whether the step happens): callers read the returned tensors when they need numbers.
 """
 from __future__ import annotations
 
