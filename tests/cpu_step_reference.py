@@ -30,7 +30,7 @@ import torch
 from memory_reference import profiled_peak, storage_bytes
 from tiersep.malloc import configure_malloc
 from tiersep.memory.trace import build_workload
-from tiersep.model.step import train_step
+from tiersep.model.step import LossScaler, train_step
 from tiersep.probe import peak_rss_bytes
 
 
@@ -45,13 +45,14 @@ def measure(preset: dict) -> dict:
     torch.manual_seed(preset["train"]["seed"])
     work = build_workload(preset, "cpu", lambda *shape: 0.1 * torch.randn(shape))
     ema = work.ema.params if work.ema else []
+    scaler = LossScaler.from_preset(preset, "cpu")   # fp16: the real step scales (the trace does not)
     resident = storage_bytes(work.params + list(work.model.buffers()) + ema + work.optimizer_state()
                              + [x for pair in work.inputs for x in pair])
 
     def step():
         work.optimizer.zero_grad(set_to_none=True)
         gc.collect()
-        train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu", ema=work.ema)
+        train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu", ema=work.ema, scaler=scaler)
 
     peak = profiled_peak(step)
     step()
@@ -59,7 +60,7 @@ def measure(preset: dict) -> dict:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")    # VmHWM := VmRSS (Linux 4.0+)
     before = current_rss_bytes()
-    train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu", ema=work.ema)
+    train_step(work.model, work.loss_fn, work.optimizer, work.inputs, preset, "cpu", ema=work.ema, scaler=scaler)
     growth = peak_rss_bytes() - before
     return {"resident_bytes": resident, "profiled_peak_bytes": resident + peak, "rss_growth_bytes": growth}
 

@@ -92,7 +92,7 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="overlap"):
         separate(model, torch.randn(2, 100), 50, 1.0)
     with pytest.raises(ValueError, match="precision"):
-        separate(model, torch.randn(2, 100), 50, 0.25, precision="fp16")
+        separate(model, torch.randn(2, 100), 50, 0.25, precision="fp8")
     with pytest.raises(ValueError, match="channels, samples"):
         separate(model, torch.randn(100), 50, 0.25)
 

@@ -113,6 +113,7 @@ STEPS = [
     {"model__dropout": 0.1, "train__precision": "bf16"},                    # math SDPA, CPU autocast
     {"model__checkpointing": True, "model__dropout": 0.1, "train__grad_accum": 2},
     {"train__ema": {"decay": 0.999, "every": 1}},                           # the EMA copy and its update
+    {"model__dropout": 0.1, "train__precision": "fp16"},                    # fp16 autocast, GradScaler
 ]
 
 
@@ -159,7 +160,11 @@ KNOWN_MISS = {2: -0.0152}
 # The EMA step (the fourth in the process) read 0.581 and 0.561 in two fresh processes: the same step as
 # the first plus an in-place EMA update, so less RSS growth comes from the heap pages the three larger
 # steps before it left resident; its fine reference is the profiler's (+0.0072%, as the first).
-RSS_FACTOR = {0: (0.70, 1.00), 1: (0.70, 1.00), 2: (0.70, 1.00), 3: (0.45, 1.00)}
+# The fp16 step (the fifth; the real step with its GradScaler, which the trace leaves out) read
+# +0.0047% against the profiler (64075364 B: 12 B above the same step in bf16, the scaler's scalars)
+# and an RSS growth of 0.786 in one fresh process (2026-11-27): allowed as the EMA step's, after
+# larger steps left heap pages resident.
+RSS_FACTOR = {0: (0.70, 1.00), 1: (0.70, 1.00), 2: (0.70, 1.00), 3: (0.45, 1.00), 4: (0.45, 1.00)}
 
 
 @pytest.mark.parametrize("case", range(len(STEPS)))

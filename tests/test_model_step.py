@@ -17,6 +17,11 @@ def test_bf16_runs_under_bf16_autocast_for_training_and_separation():
         assert _inside(autocast("bf16", "cpu", outer_off=outer_off)) == (True, torch.bfloat16)
 
 
+def test_fp16_runs_under_float16_autocast():
+    for outer_off in (False, True):
+        assert _inside(autocast("fp16", "cpu", outer_off=outer_off)) == (True, torch.float16)
+
+
 def test_fp32_adds_nothing_for_the_training_step():
     assert _inside(autocast("fp32", "cpu"))[0] is False
     with torch.autocast("cpu", dtype=torch.bfloat16):          # a caller's autocast is left as it is
@@ -31,5 +36,5 @@ def test_fp32_turns_a_surrounding_autocast_off_for_separation():
 
 def test_an_unknown_precision_is_refused_by_both():
     for outer_off in (False, True):
-        with pytest.raises(ValueError, match=r"precision: 'fp16' is not one of fp32, bf16"):
-            autocast("fp16", "cpu", outer_off=outer_off)
+        with pytest.raises(ValueError, match=r"precision: 'fp8' is not one of fp32, bf16, fp16"):
+            autocast("fp8", "cpu", outer_off=outer_off)

@@ -61,7 +61,7 @@ EXTRA_DESCRIPTIONS = {
     ("preset", "train.device"): "Where to train: auto (CUDA when a GPU is visible), cpu or cuda.",
     ("preset", "train.grad_accum"): "Micro-batches accumulated per optimizer step "
                                     "(effective batch = batch_size x grad_accum).",
-    ("preset", "train.precision"): "fp32, or bf16 autocast (norms, RoPE, STFT stay fp32).",
+    ("preset", "train.precision"): "fp32, bf16 autocast, or fp16 autocast with a gradient scaler (norms, RoPE, STFT stay fp32; docs/training.md#fp16).",
     ("preset", "train.lr"): "AdamW learning rate (after the linear warm-up).",
     ("preset", "train.weight_decay"): "AdamW weight decay.",
     ("preset", "train.betas"): "AdamW betas.",

@@ -2,7 +2,7 @@
 
 A class is what changes how the trace can err: the attention kernel (fused or math), activation
 checkpointing, the caching allocator's mode (native or expandable segments) and the step (eager or
-compiled). The evidence is the CI accuracy test's data, real GPU measurements compared with the
+compiled), and fp16 (train.precision fp16, apart from fp32 and bf16). The evidence is the CI accuracy test's data, real GPU measurements compared with the
 estimate (tests/test_memory_cuda_accuracy.py); `python -m tiersep.memory.evidence --write` turns it
 into accuracy_evidence.json, read here, and into the table in docs/memory.md.
 
@@ -30,23 +30,26 @@ NO_EVIDENCE_UNCERTAINTY = 0.10
 
 
 def estimate_class(record: dict) -> dict:
-    """The class of a CUDA estimate record (its attention_backend, checkpointing, allocator and
-    compiled fields)."""
+    """The class of a CUDA estimate record (its attention_backend, checkpointing, allocator,
+    compiled and precision fields). An fp16 step's class says so (dtype fp16): no GPU has measured
+    one, so it has no evidence of its own and books NO_EVIDENCE_UNCERTAINTY. fp32 and bf16 steps
+    still share their classes (the evidence file's, which predate the dtype)."""
     allocator = record.get("allocator") or {}
-    return {"attention": "math" if record.get("attention_backend") == "math" else "fused",
-            "checkpointing": bool(record.get("checkpointing")),
-            "allocator": "expandable" if allocator.get("expandable_segments") else "native",
-            "step": "compiled" if record.get("compiled") else "eager"}
+    cls = {"attention": "math" if record.get("attention_backend") == "math" else "fused",
+           "checkpointing": bool(record.get("checkpointing")),
+           "allocator": "expandable" if allocator.get("expandable_segments") else "native",
+           "step": "compiled" if record.get("compiled") else "eager"}
+    return {**cls, "dtype": "fp16"} if record.get("precision") == "fp16" else cls
 
 
 def class_label(cls: dict) -> str:
     """e.g. "fused attention, checkpointed, native allocator, eager step"."""
     return (f"{cls['attention']} attention, {'checkpointed' if cls['checkpointing'] else 'no checkpointing'}, "
-            f"{cls['allocator']} allocator, {cls['step']} step")
+            f"{cls['allocator']} allocator, {cls['step']} step" + (f", {cls['dtype']}" if cls.get("dtype") else ""))
 
 
 def class_key(cls: dict) -> tuple:
-    return tuple(cls[k] for k in CLASS_KEYS)
+    return tuple(cls[k] for k in CLASS_KEYS) + ((cls["dtype"],) if cls.get("dtype") else ())
 
 
 def uncertainty_of_errors(device_errors: list[float]) -> float:

@@ -19,7 +19,7 @@ from .trace import modelled_backend
 @dataclass(frozen=True)
 class Conditions:
     device: str                 # cuda | cpu: what the estimate models (no GPU is needed for cuda)
-    precision: str              # fp32 | bf16: train.precision, the autocast dtype (model.step.autocast)
+    precision: str              # fp32 | bf16 | fp16: train.precision, the autocast dtype (model.step.autocast)
     attention: str              # the SDPA kernel assumed: flash | efficient | math (trace/attention.py)
     expandable_segments: bool   # the CUDA caching allocator's mode (device.planned_allocator); False on cpu
     compiled: bool              # the torch.compile'd step (model.compile.compiles) or the eager one

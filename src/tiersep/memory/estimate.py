@@ -188,7 +188,8 @@ def _planned_class(preset: dict, cond: conditions.Conditions) -> dict:
     """The accuracy class a CUDA estimate of `preset` will have, before it is traced."""
     return accuracy.estimate_class({"attention_backend": cond.attention,
                                     "checkpointing": preset["model"]["checkpointing"],
-                                    "allocator": cond.allocator_record()})
+                                    "allocator": cond.allocator_record(),
+                                    "precision": preset["train"]["precision"]})
 
 
 def _from_trace(preset: dict, cond: conditions.Conditions, cal: dict | None) -> dict:

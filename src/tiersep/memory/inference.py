@@ -69,10 +69,10 @@ def record_calls(preset: dict, device: str, chunk_samples: int, batch: int,
     trace.repeat_steps takes it) and the keys of the call's input and output."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
-    from tiersep.model.step import autocast
+    from tiersep.model.step import autocast, autocast_dtype
     from tiersep.model import build_model
 
-    bf16 = torch.bfloat16 if preset["train"]["precision"] == "bf16" else None
+    half = autocast_dtype(preset["train"]["precision"])
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
     kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
     tracker = StorageTracker(cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
@@ -83,7 +83,7 @@ def record_calls(preset: dict, device: str, chunk_samples: int, batch: int,
         model = build_model(preset).eval()
         weights = set(tracker.register([x for x in move_order(model) if x is not None]))
         start = len(tracker.timeline.events)
-        with emulated(model, tracker, emulation, bf16) as stack:
+        with emulated(model, tracker, emulation, half) as stack:
             stack.enter_context(tracker)
             # on cuda the forward hooks hold CUDA's autocast policy; on cpu the real CPU autocast
             stack.enter_context(autocast(preset["train"]["precision"], "cpu", outer_off=True)

@@ -239,8 +239,8 @@ def separate_track(
 
     The mixture is pushed a chunk at a time (views, no copies) and each finished block is copied
     into the one output tensor, so memory is the track, its stems and one chunk batch.
-    overlap: fraction of a chunk shared with the next (0 <= overlap < 1). precision: "bf16" runs
-    the model under bf16 autocast (on CUDA and on CPU), "fp32" without (model.step.autocast).
+    overlap: fraction of a chunk shared with the next (0 <= overlap < 1). precision: "bf16" or "fp16"
+    runs the model under that autocast (on CUDA and on CPU), "fp32" without (model.step.autocast).
     """
     mixture = torch.as_tensor(mixture, dtype=torch.float32)
     if mixture.ndim != 2:

@@ -11,7 +11,7 @@ from tiersep.malloc import trimmed_heap
 from tiersep.train import checkpoint as ckpt
 from tiersep.train.schedule import Schedule
 from tiersep.model.ema import Ema
-from tiersep.model.step import make_optimizer
+from tiersep.model.step import LossScaler, make_optimizer
 from tiersep.train.telemetry import MEMORY_FIELDS, METRICS_FIELDS, CsvLog, SegmentTrace
 from tiersep.train.tracking import Tracker
 
@@ -34,6 +34,7 @@ def build(run) -> None:
     run.loss_fn = build_loss(p)
     run.optimizer = make_optimizer(run.model, p, run.device.type)
     run.schedule = Schedule(t)
+    run.scaler = LossScaler.from_preset(p, run.device.type)   # fp16 only
     run.best = {"val_si_sdr": -math.inf, "step": None}
     if state is not None:
         _restore(run, state)
@@ -59,7 +60,8 @@ def build(run) -> None:
 
 def _restore(run, state: dict) -> None:
     """Continue from the checkpoint `state`: weights, optimizer, schedule, step and best score."""
-    ckpt.restore(state, model=run.model, optimizer=run.optimizer, schedule=run.schedule, ema=run.ema)
+    ckpt.restore(state, model=run.model, optimizer=run.optimizer, schedule=run.schedule, ema=run.ema,
+                 scaler=run.scaler)
     run.step = run.resumed_from = int(state["step"])
     run.best = dict(state["best"])
     # A new best writes last.pt first, then best.pt, so best.pt is never ahead of last.pt;

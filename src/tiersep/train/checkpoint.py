@@ -1,6 +1,7 @@
 """Checkpoints that let a killed run continue bit-for-bit.
 
-A checkpoint holds the model, the optimizer, the lr schedule, the EMA weights (train.ema, else None), the number of completed steps (which
+A checkpoint holds the model, the optimizer, the lr schedule, the EMA weights (train.ema, else None),
+fp16's loss scaler with its skip counts (else None), the number of completed steps (which
 is also the data loader's position: batches are a pure function of (seed, step)), the best
 validation score so far, and every random state a step consumes (torch CPU and CUDA, numpy, python)
 - dropout draws from torch's global generator, so restoring it makes the resumed steps identical.
@@ -77,9 +78,10 @@ def seed_everything(seed: int) -> None:
 
 
 def save_checkpoint(path: Path, *, model, optimizer, schedule, step: int, best: dict, preset: dict,
-                    run: dict, ema=None) -> None:
+                    run: dict, ema=None, scaler=None) -> None:
     """Write one resumable checkpoint atomically. `run` carries bookkeeping (attempt, elapsed...);
-    `ema` the EMA weights (model/ema.py) when train.ema is on.
+    `ema` the EMA weights (model/ema.py) when train.ema is on; `scaler` the fp16 loss scaler
+    (model/step.py LossScaler) when train.precision is fp16.
     The checkpoint it replaces is kept as <name>.prev.pt (see keep_previous)."""
     keep_previous(Path(path))
     torch_save({
@@ -87,6 +89,7 @@ def save_checkpoint(path: Path, *, model, optimizer, schedule, step: int, best: 
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "ema": ema.state_dict() if ema is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
         "step": int(step),
         "best": dict(best),
         "rng": rng_state(),
@@ -163,7 +166,7 @@ def load_resume_checkpoint(out_dir: Path) -> tuple[dict | None, str | None]:
                    f"{previous.name} at step {state['step']}, so the steps after it run again")
 
 
-def restore(state: dict, *, model, optimizer, schedule, ema=None) -> None:
+def restore(state: dict, *, model, optimizer, schedule, ema=None, scaler=None) -> None:
     """Load model/optimizer/schedule (and the EMA weights) from a checkpoint; RNG is restored last
     by the caller. A checkpoint resumes only under the same train.ema (train/resume.py), so an EMA
     run's checkpoint carries its EMA."""
@@ -174,6 +177,10 @@ def restore(state: dict, *, model, optimizer, schedule, ema=None) -> None:
         if not state.get("ema"):
             raise CheckpointError("checkpoint: train.ema is on but the checkpoint carries no EMA weights")
         ema.load_state_dict(state["ema"])
+    if scaler is not None:   # a run resumes only under the same preset, so an fp16 checkpoint has one
+        if not state.get("scaler"):
+            raise CheckpointError("checkpoint: train.precision is fp16 but the checkpoint carries no loss scaler")
+        scaler.load_state_dict(state["scaler"])
 
 
 def held_weights(state: dict) -> tuple[dict, str]:

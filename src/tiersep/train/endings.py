@@ -3,8 +3,8 @@ the workflow's outcome.json.
 
 Before the loop: refused (the plan's gate, or a GPU-sized preset on CPU). From the loop (a
 Training `run`, tiersep.train.loop): finished, preempted or interrupted at a step boundary (after a
-checkpoint), out of memory, another rank gone, refused after a failed compile, or an error (recorded,
-then re-raised). Rank 0 writes the run folder; another rank only notes what the launcher needs.
+checkpoint), out of memory, another rank gone, refused after a failed compile, fp16's loss scale
+collapsed, or an error (recorded, then re-raised). Rank 0 writes the run folder; another rank only notes what the launcher needs.
 """
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ from tiersep.train.signals import StopFlag
 
 EXIT_OK, EXIT_REFUSED, EXIT_OOM, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 3, 4, 75, 130
 EXIT_RANK_DIED = 1
+EXIT_SCALE_COLLAPSED = 7
+
+
+class ScaleCollapsed(RuntimeError):
+    """fp16: the loss scaler skipped MAX_SKIPPED_IN_A_ROW steps in a row (model/step.py LossScaler):
+    the gradients stay non-finite whatever the scale, so training on would learn nothing (or NaN)."""
+
+    def __init__(self, step: int, scaler):
+        self.step, self.skipped, self.scale = step, scaler.in_a_row, scaler.scale()
+        super().__init__(f"the fp16 loss scale collapsed at step {step}: {scaler.in_a_row} steps in a row "
+                         f"had inf/NaN gradients and were skipped (scale now {self.scale:.3g})")
 
 
 def refused(plan: RunPlan, job: TrainJob) -> int:
@@ -53,6 +64,8 @@ def failure(run, err: BaseException) -> int | None:
 
     if isinstance(err, DoesNotFit):   # the eager step after a failed compile does not fit
         return refused_after_compile(run, err)
+    if isinstance(err, ScaleCollapsed):
+        return scale_collapsed(run, err)
     from tiersep.data.dataset import dead_worker
 
     if run.main:   # rank 0 writes the run folder; the launcher names another rank
@@ -86,6 +99,19 @@ def refused_after_compile(run, err) -> int:
                          estimate_peak_bytes=(err.estimate or {}).get("peak_bytes"))
     print(f"tiersep train: refused: {message}", file=sys.stderr)
     return EXIT_REFUSED
+
+
+def scale_collapsed(run, err: ScaleCollapsed) -> int:
+    """fp16's scale collapsed: failure.json kind scale_collapsed, one line, exit 7. The last
+    checkpoint is kept (the skipped steps did not move the weights); rerunning it would collapse
+    again: the fix is in the data, the lr or the precision (docs/training.md#fp16)."""
+    if run.main:
+        record.write_failure(run.out_dir, "scale_collapsed", str(err), preset=run.preset["name"], step=err.step,
+                             attempt=run.plan.attempt, attempted_allocation_bytes=None,
+                             estimate_peak_bytes=(run.plan.estimate or {}).get("peak_bytes"))
+        print(f"tiersep train: {err}; wrote {run.out_dir / 'failure.json'} (exit {EXIT_SCALE_COLLAPSED})",
+              file=sys.stderr)
+    return EXIT_SCALE_COLLAPSED
 
 
 def preempt(run, flag: StopFlag) -> int:

@@ -20,6 +20,17 @@ from tiersep.train.oom import INJECT_OOM_ENV, maybe_inject_oom, parse_injection
 from tiersep.train.plan import RunPlan
 from tiersep.train.signals import StopFlag, stop_on_signals
 from tiersep.model.step import train_step
+
+# Test hook: "A" or "A-B", the data steps (0-based, as the OOM hook's) whose mixture is made inf:
+# a real non-finite forward and backward, for the fp16 scaler's skip and collapse (tests/test_train_fp16.py).
+INJECT_INF_ENV = "TIERSEP_INJECT_INF"
+
+
+def inf_steps(text: str | None) -> range:
+    if not text:
+        return range(0)
+    first, _, last = text.partition("-")
+    return range(int(first), int(last or first) + 1)
 from tiersep.train.validation import validate
 
 
@@ -40,9 +51,10 @@ class Training:
         self.resumed_from = None
         self.loop_start = None
         # set by build(): model, parameters, loss_fn, optimizer, schedule, best, step_model, dataset,
-        # segments, trace, make_loader, ema (train.ema); on rank 0 val_mix, val_stems, the logs
-        # metrics and memory, and the tracker (TensorBoard, W&B: tracking.py) fed the same rows
+        # segments, trace, make_loader, ema (train.ema), scaler (fp16); on rank 0 val_mix, val_stems,
+        # the logs metrics and memory, and the tracker (TensorBoard, W&B: tracking.py) fed the same rows
         self.model = self.optimizer = self.metrics = self.memory = self.tracker = self.ema = None
+        self.scaler = None
         self.compile_info = {"requested": plan.preset["train"]["compile"], "compiled": False, "reason": None}
 
     def checkpoint(self) -> None:
@@ -55,7 +67,7 @@ class Training:
             "recovered_from": self.plan.recovered_from, "downshifted_from": self.plan.downshifted_from})
         ckpt.save_checkpoint(ckpt.last_path(self.out_dir), model=self.model, optimizer=self.optimizer,
                              schedule=self.schedule, step=self.step, best=self.best, preset=self.preset,
-                             run=self.run_info, ema=self.ema)
+                             run=self.run_info, ema=self.ema, scaler=self.scaler)
 
     def train_seconds(self) -> float:
         return self.elapsed_before + (time.time() - self.loop_start if self.loop_start else 0.0)
@@ -79,7 +91,7 @@ class Training:
 
     def _loop(self, flag: StopFlag) -> int:
         t, steps, micro = self.t, self.t["steps"], self.t["batch_size"]
-        injection = parse_injection(os.environ.get(INJECT_OOM_ENV))
+        injection, poisoned = parse_injection(os.environ.get(INJECT_OOM_ENV)), inf_steps(os.environ.get(INJECT_INF_ENV))
         self._start_random_streams()
         self.model.train()
         self.loop_start = time.time()
@@ -102,6 +114,7 @@ class Training:
                 assert data_step == self.step, f"loader at step {data_step}, expected {self.step}"
                 self.trace.write(data_step, self.segments, mixture)
                 maybe_inject_oom(injection, data_step, micro, self.preset["name"], self.ranks.rank if self.ranks else 0)
+                mixture = torch.full_like(mixture, math.inf) if data_step in poisoned else mixture
                 row = self._step(data_step, mixture, stems)
                 elapsed = time.time() - tick
                 if self.steps_this_process == 1 and self.compile_info["compiled"]:
@@ -176,16 +189,23 @@ class Training:
         chunks = [(m.to(self.device, non_blocking=True), s.to(self.device, non_blocking=True))
                   for m, s in zip(mixture.split(micro), stems.split(micro))]
         loss, grad_norm = train_step(self.step_model, self.loss_fn, self.optimizer, chunks, self.preset,
-                                     self.device.type, ema=self.ema)
+                                     self.device.type, ema=self.ema, scaler=self.scaler)
         loss, grad_norm = float(loss), float(grad_norm)
         if self.ranks is not None:   # each rank's loss is over its share; the step's is their mean
             loss = distributed.mean_over_ranks(loss, self.device)
-        if not math.isfinite(loss):
+        # fp16: a non-finite loss gives non-finite gradients, and the scaler skipped that step (the
+        # weights did not move); only a run of such steps stops it (ScaleCollapsed)
+        if not math.isfinite(loss) and self.scaler is None:
             raise FloatingPointError(f"loss is {loss} at step {data_step + 1}")
+        if self.scaler is not None and self.scaler.collapsed:
+            raise endings.ScaleCollapsed(data_step + 1, self.scaler)
         self.step = data_step + 1
         self.steps_this_process += 1
-        return {"step": self.step, "time_s": round(self.train_seconds(), 3), "loss": loss,
-                "lr": t["lr"] * factor, "grad_norm": grad_norm}
+        row = {"step": self.step, "time_s": round(self.train_seconds(), 3), "loss": loss,
+               "lr": t["lr"] * factor, "grad_norm": grad_norm}
+        if self.scaler is not None:
+            row.update(scale=self.scaler.scale(), skipped=self.scaler.skipped)
+        return row
 
     def _validate(self) -> tuple[dict, dict]:
         """Validation on rank 0 (the only one with the validation segments); the other ranks wait

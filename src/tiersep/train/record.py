@@ -82,7 +82,10 @@ def run_record(run, weights_step: int, held: str) -> dict:
         "steps_per_s": (timed_steps / loop_seconds) if loop_seconds > 0 and timed_steps > 0 else None,
         "parameters": run.parameters,
         "attention_backend": est.get("attention_backend", run.preset["model"]["attention_backend"]),
-        "precision": t["precision"], "batch_size": t["batch_size"], "grad_accum": t["grad_accum"],
+        "precision": t["precision"],
+        "loss_scaler": ({"scale": run.scaler.scale(), "skipped_steps": run.scaler.skipped}
+                        if run.scaler is not None else None),
+        "batch_size": t["batch_size"], "grad_accum": t["grad_accum"],
         "ranks": t["ranks"], "nodes": t["nodes"],
         "effective_batch": t["batch_size"] * t["grad_accum"] * t["ranks"], "lr": t["lr"], "seed": t["seed"],
         "attempt": plan.attempt, "downshifted_from": plan.downshifted_from,

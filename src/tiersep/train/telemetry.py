@@ -20,7 +20,9 @@ from tiersep.io import write_text
 METRICS_FIELDS = ["step", "time_s", "loss", "lr", "grad_norm", "steps_per_s",
                   "val_loss", "val_sdr", "val_si_sdr",
                   # the EMA weights' validation (train.ema; empty without it)
-                  "val_loss_ema", "val_sdr_ema", "val_si_sdr_ema"]
+                  "val_loss_ema", "val_sdr_ema", "val_si_sdr_ema",
+                  # fp16's loss scale after the step and the steps skipped so far (empty otherwise)
+                  "scale", "skipped"]
 MEMORY_FIELDS = ["step", "allocated", "reserved", "peak", "device"]
 
 

@@ -11,6 +11,7 @@ Exit codes (returned, the CLI exits with them):
   130 interrupted by Ctrl-C (SIGINT) after writing checkpoints/last.pt at the step boundary; a second
      Ctrl-C stops at once
   1  (data-parallel) a rank died: failure.json kind "rank_died" naming it (tiersep.train.launch)
+  7  fp16: the loss scale collapsed (too many skipped steps in a row); failure.json kind "scale_collapsed"
 Bad input (a folder that is not tiersep's, an untrusted checkpoint) is exit 2 through the CLI, and so
 is a tracking section the job cannot carry out (W&B asked for but not installed, online without a
 key: tiersep.train.tracking), said in one line before anything is trained.
@@ -37,7 +38,7 @@ from tiersep.malloc import release_heap
 from tiersep.outputs import claim, exclusive, only_names
 from tiersep.train import distributed, endings, launch, record
 from tiersep.train.endings import (EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED, EXIT_RANK_DIED,
-                                   EXIT_REFUSED)
+                                   EXIT_REFUSED, EXIT_SCALE_COLLAPSED)
 from tiersep.train.job import TrainJob
 from tiersep.train.loop import Training
 from tiersep.train.oom import INJECT_OOM_ENV
@@ -46,7 +47,7 @@ from tiersep.train.run_folder import settle_run_folder
 from tiersep.train.tracking import TrackingError, tracking_problem
 
 __all__ = ["train", "EXIT_OK", "EXIT_REFUSED", "EXIT_OOM", "EXIT_PREEMPTED", "EXIT_INTERRUPTED", "EXIT_RANK_DIED",
-           "INJECT_OOM_ENV"]
+           "EXIT_SCALE_COLLAPSED", "INJECT_OOM_ENV"]
 
 
 def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, estimate_path=None,

@@ -13,6 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tiersep.model.step import autocast_dtype
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -28,7 +31,7 @@ def choose_cuda_backend(requested: str, dtype: torch.dtype, head_dim: int, has_m
     if requested == "auto":
         return "flash" if flash_ok else "efficient" if efficient_ok else "math"
     if requested == "flash" and not flash_ok:
-        raise ConfigError(f"model.attention_backend: flash needs fp16/bf16 (train.precision bf16) and a head "
+        raise ConfigError(f"model.attention_backend: flash needs fp16/bf16 (train.precision bf16 or fp16) and a head "
                          f"dim <= 256 on CUDA; got {str(dtype).replace('torch.', '')}, head dim {head_dim}")
     if requested == "efficient" and not efficient_ok:
         raise ConfigError(f"model.attention_backend: efficient needs a head dim divisible by "
@@ -40,7 +43,7 @@ def modelled_backend(preset: dict, device: str) -> str:
     """The SDPA kernel the estimate assumes (what torch picks on that device for this preset)."""
     m, t = preset["model"], preset["train"]
     if device == "cuda":
-        dtype = torch.bfloat16 if t["precision"] == "bf16" else torch.float32
+        dtype = autocast_dtype(t["precision"]) or torch.float32
         return choose_cuda_backend(m["attention_backend"], dtype, m["attention_dim"] // m["n_heads"], False)
     # CPU: the flash kernel for CPU takes no dropout; otherwise the math path
     if m["attention_backend"] in ("auto", "flash"):

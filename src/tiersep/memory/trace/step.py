@@ -31,7 +31,7 @@ from .emulation import CudaEmulation
 from .kernels import CudaKernelMemory
 from .tracker import FORWARD, UPDATE, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
-from tiersep.model.step import train_step
+from tiersep.model.step import autocast_dtype, train_step
 
 # In torch's counters: the cuBLAS workspace torch allocates through the caching allocator for each
 # thread's handle on its first GEMM (CUBLAS_WORKSPACE_CONFIG default; 32 MiB on Hopper, 8 MiB
@@ -146,7 +146,7 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     moves each gradient into its bucket in the micro-batch that synchronises)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
-    bf16 = torch.bfloat16 if preset["train"]["precision"] == "bf16" else None
+    half = autocast_dtype(preset["train"]["precision"])   # fp16's GradScaler: untraced scalars (its .item())
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
     kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
     tracker = (CompiledStepTracker if compiled else StorageTracker)(
@@ -180,9 +180,9 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         traced = min(len(work.inputs), TRACED_MICRO_BATCHES)
         starts, ends = [], []       # each forward's first and last event
         step_model, holder = compile_now(model, work, preset, device, lambda m: emulated(
-            m, tracker, emulation, bf16), emulation) if compiled else (model, None)
+            m, tracker, emulation, half), emulation) if compiled else (model, None)
 
-        with emulated(step_model, tracker, emulation, bf16, starts, ends) as stack:
+        with emulated(step_model, tracker, emulation, half, starts, ends) as stack:
             stack.enter_context(tracker)
             stack.enter_context(holder.tracking(tracker) if holder else contextlib.nullcontext())
             train_step(step_model, work.loss_fn, optimizer, work.inputs[:traced], preset, device, ema=work.ema)
