@@ -467,12 +467,15 @@ def test_booking_covers_random_presets_trained_for_real(random_trained, name):
     # run's growth above the process allowance (before exit) is judged against the booking's
     # factor x live bytes part, the part the estimator decides. Measured here (2026-11-27, 2 busy
     # cores, 2 runs): 0.816-0.847 (accumulating: 870-903 MiB grown for 1.5 x 711 MiB) and
-    # 0.742-0.766 (checkpointed: 613-633 MiB for 1.5 x 550); earlier runs' peaks put the checkpointed one at 0.69-0.76. Above 1 the booking
+    # 0.742-0.766 (checkpointed: 613-633 MiB for 1.5 x 550); on the CI machine (fresh clone,
+    # 2026-11-27) 0.827 and 0.812 above its 985 MiB allowance; earlier runs' peaks put the checkpointed one at 0.69-0.76. Above 1 the booking
     # misses; the lower bounds are the measured spread plus the CI machine's margin, so a live
     # estimate far too high fails as well.
     above = booking["process_bytes"] - booking["exit_pages_bytes"]
     live_part = booking["live_factor"] * booking["live_bytes"]
-    assert live_part / booking["run_rss_bytes"] >= 0.5, f"{said}: the live bytes are not a real share of it"
+    # the live part's share: 0.53-0.60 here, 0.46-0.52 on the CI machine (its fresh install's
+    # allowance is 1164 MiB, not 843: large folios)
+    assert live_part / booking["run_rss_bytes"] >= 0.4, f"{said}: the live bytes are not a real share of it"
     growth = (run["peak_rss_bytes"] - above) / live_part
     low = {"accumulating": 0.70, "checkpointed": 0.60}[name]
     assert low <= growth <= 1.0, (f"{said}: the run grew {(run['peak_rss_bytes'] - above) / MIB:.0f} MiB above the "

@@ -201,7 +201,12 @@ def test_the_estimate_grows_by_the_ema_copy(device):
     assert with_ema["allocated_peak_bytes"] - without["allocated_peak_bytes"] == copy
     if device == "cpu":
         assert with_ema["peak_bytes"] - without["peak_bytes"] == copy
-        assert with_ema["gate_required_bytes"] > without["gate_required_bytes"]
+        # the booking's live part grows by factor x the copy; the whole booking may not, where the
+        # process allowance (its exit) is the larger figure: on the CI machine, 1164 MiB
+        booked, plain_booked = with_ema["cpu_process"], without["cpu_process"]
+        grown = booked["run_rss_bytes"] - plain_booked["run_rss_bytes"]
+        assert abs(grown - booked["live_factor"] * copy) <= 1
+        assert with_ema["gate_required_bytes"] >= without["gate_required_bytes"]
     assert estimate(ema, "analytic", device)["ema"]["copy_bytes"] == copy
 
 
