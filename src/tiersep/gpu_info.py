@@ -139,16 +139,25 @@ def name(index: int | None = None) -> str | None:
         return None
 
 
-def total_bytes(index: int | None = None) -> int | None:
-    """Total memory of GPU `index` in bytes (default this process's cuda:0), or None without NVML."""
+def _memory(index: int | None) -> tuple[int, int] | None:
+    """(total, free) bytes of GPU `index` (default this process's cuda:0), or None without NVML
+    (or no such fake GPU)."""
     index = _cuda0(index)
     if os.environ.get(FAKE_GPUS_ENV) is not None or index is None:
-        return (_fake(index) or {}).get("total_bytes")
+        fake = _fake(index)
+        return None if fake is None else (fake["total_bytes"], fake["free_bytes"])
     try:
         with _nvml() as nvml:
-            return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index)).total)
-    except Exception:  # ImportError, NVMLError
+            memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
+            return int(memory.total), int(memory.free)
+    except Exception:  # ImportError, NVMLError (no driver, no such GPU): nothing to read
         return None
+
+
+def total_bytes(index: int | None = None) -> int | None:
+    """Total memory of GPU `index` in bytes (default this process's cuda:0), or None without NVML."""
+    memory = _memory(index)
+    return None if memory is None else memory[0]
 
 
 def catalogue_entry(index: int | None = None):
@@ -172,29 +181,15 @@ def driver_version() -> str | None:
 def free_bytes(index: int | None = None) -> int | None:
     """Free memory of GPU `index` in bytes (what nvidia-smi shows as free; default this process's
     cuda:0), or None without NVML."""
-    index = _cuda0(index)
-    if os.environ.get(FAKE_GPUS_ENV) is not None or index is None:
-        return (_fake(index) or {}).get("free_bytes")
-    try:
-        with _nvml() as nvml:
-            return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index)).free)
-    except Exception:  # ImportError, NVMLError (no driver, no such GPU): nothing to read
-        return None
+    memory = _memory(index)
+    return None if memory is None else memory[1]
 
 
 def used_bytes(index: int | None = None) -> int | None:
     """Used memory of GPU `index` in bytes (total - free: what nvidia-smi shows as used, contexts
     included; default this process's cuda:0), or None without NVML."""
-    index = _cuda0(index)
-    if os.environ.get(FAKE_GPUS_ENV) is not None or index is None:
-        fake = _fake(index)
-        return None if fake is None else fake["total_bytes"] - fake["free_bytes"]
-    try:
-        with _nvml() as nvml:
-            memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
-            return int(memory.total) - int(memory.free)
-    except Exception:  # ImportError, NVMLError
-        return None
+    memory = _memory(index)
+    return None if memory is None else memory[0] - memory[1]
 
 
 def processes(index: int | None = None, exclude_pid: int | None = None) -> list[dict] | None:

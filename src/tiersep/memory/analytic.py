@@ -99,12 +99,18 @@ def parameter_numels(preset: dict) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
+def weight_bytes(preset: dict, device: str, numels: list[int] | None = None) -> int:
+    """One fp32 copy of the weights, per tensor as the allocator books them (the gradients and
+    train.ema's copy are as large)."""
+    block = cuda_block_bytes if device == "cuda" else cpu_block_bytes
+    numels = numels if numels is not None else parameter_numels(preset)
+    return sum(block(4 * n) for n in numels)
+
+
 def static_bytes(preset: dict, device: str, numels: list[int] | None = None) -> dict[str, int]:
     """Weights (and their EMA copy, train.ema), gradients and AdamW state (exp_avg, exp_avg_sq), per
     tensor as the allocator books them."""
-    block = cuda_block_bytes if device == "cuda" else cpu_block_bytes
-    numels = numels if numels is not None else parameter_numels(preset)
-    weights = sum(block(4 * n) for n in numels)
+    weights = weight_bytes(preset, device, numels)
     copies = 2 if preset["train"].get("ema") else 1
     return {"weights": copies * weights, "gradients": weights, "optimizer": 2 * weights}
 

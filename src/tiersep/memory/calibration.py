@@ -39,8 +39,12 @@ def builtin() -> dict[str, Path]:
 def most_conservative() -> str:
     """The built-in calibration with the largest context and workspace: what a GPU without one of
     its own is estimated with."""
+    def cost(path: Path) -> int:
+        record = read(path)
+        return record["context_bytes"] + record["cublas_workspace_bytes"]
+
     known = builtin()
-    return max(known, key=lambda n: read(known[n])["context_bytes"] + read(known[n])["cublas_workspace_bytes"])
+    return max(known, key=lambda n: cost(known[n]))
 
 
 def read(path: str | Path) -> dict:

@@ -54,7 +54,7 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
     else:
         record = _from_measure(preset, cond, cal)
     if method != "trace":   # the EMA copy: as many bytes as the weights, which these methods book
-        record["ema"] = _ema_record(preset, analytic.static_bytes(preset, device)["gradients"])
+        record["ema"] = _ema_record(preset, analytic.weight_bytes(preset, device))
         record.update(compiled=False, compiled_note=f"the {method} method models the eager step"
                       + (" (the preset compiles: an upper bound)" if cond.compiled else ""))
     t = preset["train"]

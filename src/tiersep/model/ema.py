@@ -58,12 +58,16 @@ class Ema:
 
     def weights(self, model: torch.nn.Module) -> dict:
         """`model`'s state_dict with the averaged parameters in place of its own (what model.pt holds)."""
-        averaged = dict(zip(self.names, self.params))
-        return {k: averaged.get(k, v) for k, v in model.state_dict().items()}
+        return with_averaged(model.state_dict(), dict(zip(self.names, self.params)))
 
     def module(self, model: torch.nn.Module) -> "EmaModule":
         """A callable that runs `model` with the averaged parameters (validation)."""
         return EmaModule(model, dict(zip(self.names, self.params)))
+
+
+def with_averaged(state_dict: dict, averaged: dict) -> dict:
+    """`state_dict` with the averaged parameters (by name) in place of its own; buffers stay."""
+    return {k: averaged.get(k, v) for k, v in state_dict.items()}
 
 
 class EmaModule:

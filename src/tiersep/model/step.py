@@ -139,7 +139,9 @@ def train_step(
                                                foreach=(device_type == "cuda"))
     if scaler is None:
         optimizer.step()
-    stepped = scaler.step(optimizer) if scaler is not None else True
+        stepped = True
+    else:
+        stepped = scaler.step(optimizer)
     if ema is not None and stepped:
         ema.update()
     return total, grad_norm

@@ -261,31 +261,21 @@ def plot_curves(tiers: list[Tier], colors: dict[str, str]) -> bytes:
         return _empty(title, "No metrics.csv yet.")
     plt = _pyplot()
     fig, (loss_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    validation = dict(marker="o", markersize=3)
+    ema = dict(linestyle="-.", marker="s", markersize=3)    # train.ema: the EMA weights' validation
+    curves = [  # (metrics.csv column, axis, label after the tier's name, line style)
+        ("loss", loss_ax, "train", dict(linewidth=0.8, alpha=0.85)),
+        ("val_loss", loss_ax, "valid", dict(validation, linestyle="--")),
+        ("val_si_sdr", val_ax, "SI-SDR", validation),
+        ("val_sdr", val_ax, "SDR", dict(linestyle=":", marker="^", markersize=3)),
+        ("val_loss_ema", loss_ax, "valid, EMA", ema),
+        ("val_si_sdr_ema", val_ax, "SI-SDR, EMA", ema),
+    ]
     for tier in shown:
-        color = colors[tier.name]
-        steps, loss = _series(tier.metrics, "loss")
-        if steps:
-            loss_ax.plot(steps, loss, color=color, linewidth=0.8, alpha=0.85, label=f"{tier.name} train")
-        steps, val = _series(tier.metrics, "val_loss")
-        if steps:
-            loss_ax.plot(steps, val, color=color, linestyle="--", marker="o", markersize=3,
-                         label=f"{tier.name} valid")
-        steps, si = _series(tier.metrics, "val_si_sdr")
-        if steps:
-            val_ax.plot(steps, si, color=color, marker="o", markersize=3, label=f"{tier.name} SI-SDR")
-        steps, sdr = _series(tier.metrics, "val_sdr")
-        if steps:
-            val_ax.plot(steps, sdr, color=color, linestyle=":", marker="^", markersize=3,
-                        label=f"{tier.name} SDR")
-        # train.ema: the EMA weights' validation beside the raw weights'
-        steps, val = _series(tier.metrics, "val_loss_ema")
-        if steps:
-            loss_ax.plot(steps, val, color=color, linestyle="-.", marker="s", markersize=3,
-                         label=f"{tier.name} valid, EMA")
-        steps, si = _series(tier.metrics, "val_si_sdr_ema")
-        if steps:
-            val_ax.plot(steps, si, color=color, linestyle="-.", marker="s", markersize=3,
-                        label=f"{tier.name} SI-SDR, EMA")
+        for column, ax, label, style in curves:
+            steps, values = _series(tier.metrics, column)
+            if steps:
+                ax.plot(steps, values, color=colors[tier.name], label=f"{tier.name} {label}", **style)
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss")
     loss_ax.set_title("loss: training (solid), validation (dashed; EMA weights dash-dot)")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from tiersep.io import atomic_path, torch_save
+from tiersep.model.ema import with_averaged
 from tiersep.model.weights import CheckpointError, UntrustedFile, load_weights_only
 
 CHECKPOINT_DIR = "checkpoints"
@@ -187,8 +188,7 @@ def held_weights(state: dict) -> tuple[dict, str]:
     """(state_dict, "raw" | "ema"): the weights a best checkpoint stands for: the EMA ones when its
     `best` score was the EMA's (best["weights"]), else the raw model's."""
     if state["best"].get("weights") == "ema" and state.get("ema"):
-        averaged = state["ema"]["params"]
-        return {k: averaged.get(k, v) for k, v in state["model"].items()}, "ema"
+        return with_averaged(state["model"], state["ema"]["params"]), "ema"
     return state["model"], "raw"
 
 

@@ -20,6 +20,7 @@ from tiersep.train.oom import INJECT_OOM_ENV, maybe_inject_oom, parse_injection
 from tiersep.train.plan import RunPlan
 from tiersep.train.signals import StopFlag, stop_on_signals
 from tiersep.model.step import train_step
+from tiersep.train.validation import validate
 
 # Test hook: "A" or "A-B", the data steps (0-based, as the OOM hook's) whose mixture is made inf:
 # a real non-finite forward and backward, for the fp16 scaler's skip and collapse (tests/test_train_fp16.py).
@@ -31,7 +32,6 @@ def inf_steps(text: str | None) -> range:
         return range(0)
     first, _, last = text.partition("-")
     return range(int(first), int(last or first) + 1)
-from tiersep.train.validation import validate
 
 
 class Training:
