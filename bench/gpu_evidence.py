@@ -5,7 +5,7 @@
 
 It writes one dated folder in the shared measurement format (tests/data/gpu/h100-2026-11-22/
 README.md), `<gpu>-<date>/`, that tests/test_memory_cuda_accuracy.py reads as it is:
-- measurements.jsonl, first: real steps of HELD_OUT configurations, ones that no estimate rule,
+- measurements.jsonl, first: real steps of HELD_OUT and DTYPE_CLASSES configurations, ones that no estimate rule,
   calibration or uncertainty was fitted on, flagged `held_out` (the out-of-sample accuracy, issue 34);
 - events/<name>.events.json.gz: the caching allocator's event log (model creation, AdamW state and
   2 steps) of `small bf16 math`, `small fp32 math` and the released `memory_optimized b2 ckpt`;
@@ -67,7 +67,28 @@ HELD_OUT = [
     ("held-out small bf16 8h64 4s", "small", {"model.n_heads": 8, "model.emb_dim": 64, "model.attention_dim": 64,
                                               "audio.segment_samples": 176128}, "measure", "native"),
 ]
-JOBS = HELD_OUT + [
+# Issue 31: classes as fine as the evidence. fp16 (autocast float16 with the trainer's loss scaler)
+# with each kernel a card may run it with (flash from sm80; efficient, the pre-Ampere cards' fused
+# kernel; math), and more fp32 and bf16 math rows, so that each dtype's math class rests on rows of
+# its own. All held out: no rule was read off an fp16 step.
+FP16, EFF = {"train.precision": "fp16"}, {"model.attention_backend": "efficient"}
+DTYPE_CLASSES = [
+    ("held-out small fp16", "small", FP16, "measure", "native"),
+    ("held-out small fp16 efficient", "small", {**FP16, **EFF}, "measure", "native"),
+    ("held-out small fp16 math", "small", {**FP16, **MATH}, "measure", "native"),
+    ("held-out memory_optimized fp16 ckpt", "memory_optimized", {**FP16, **CKPT}, "measure", "native"),
+    ("held-out small fp16 efficient ckpt b2", "small", {**FP16, **EFF, **CKPT, "train.batch_size": 2},
+     "measure", "expandable"),
+    ("held-out small fp16 math", "small", {**FP16, **MATH}, "measure", "expandable"),
+    ("held-out memory_optimized fp32 math", "memory_optimized", {**FP32, **MATH}, "measure", "native"),
+    ("held-out small fp32 math 8h64", "small", {**FP32, **MATH, "model.n_heads": 8, "model.emb_dim": 64,
+                                                 "model.attention_dim": 64}, "measure", "native"),
+    ("held-out memory_optimized fp32 math ckpt", "memory_optimized", {**FP32, **MATH, **CKPT}, "measure",
+     "expandable"),
+    ("held-out small bf16 math b2", "small", {**MATH, "train.batch_size": 2}, "measure", "native"),
+    ("small fp16", "small", FP16, "events", "native"),     # the allocator's log of an fp16 step, for later rules
+]
+JOBS = HELD_OUT + DTYPE_CLASSES + [
     ("calibrate", None, {}, "calibrate", "native"),
     ("small co-located", "small", {}, "colocate", "native"),
     ("small bf16 math", "small", MATH, "events", "native"),
@@ -467,6 +488,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-compile", action="store_true", help="in a dry run, compile too (slow on a CPU)")
     parser.add_argument("--only", nargs="+", metavar="KIND", help="run only these job kinds "
                         "(events measure compiled calibrate colocate merl)")
+    parser.add_argument("--names", metavar="REGEX", help="run only the jobs whose name matches (e.g. "
+                        "'fp16|math|calibrate')")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
@@ -492,7 +515,8 @@ def main(argv=None) -> int:
     name = f"{'cpu-dry-run' if args.dry_run else _slug(info['gpu'].replace('NVIDIA', ''))}-{time.strftime('%Y-%m-%d')}"
     folder = (args.out or ROOT / "tests" / "data" / "gpu") / name
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [dict(j, dry_compile=args.dry_compile) for j in plan(args) if not args.only or j["kind"] in args.only]
+    jobs = [dict(j, dry_compile=args.dry_compile) for j in plan(args)
+            if (not args.only or j["kind"] in args.only) and (not args.names or re.search(args.names, j["name"]))]
     began = time.time()
     reports = run_plan(jobs, folder, args.budget)
     info.update(date=time.strftime("%Y-%m-%d"), budget_s=args.budget, wall_s=round(time.time() - began, 1))

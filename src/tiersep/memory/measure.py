@@ -18,7 +18,7 @@ import torch
 
 from .trace import FORWARD, StorageTracker, build_workload, cpu_block_bytes
 from tiersep.device import device_type
-from tiersep.model.step import train_step
+from tiersep.model.step import LossScaler, train_step
 from tiersep.probe import peak_rss_bytes
 
 
@@ -49,8 +49,9 @@ def measure_step(preset: dict, device: str | None = None, steps: int = 1,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.time()
+        scaler = LossScaler.from_preset(preset, device)   # fp16: the trainer's scaler, as it runs
         for _ in range(steps):
-            train_step(model, loss_fn, optimizer, inputs, preset, device, ema=work.ema)
+            train_step(model, loss_fn, optimizer, inputs, preset, device, ema=work.ema, scaler=scaler)
         torch.cuda.synchronize()
         seconds = (time.time() - start) / steps
         return MeasureResult(device, sum(p.numel() for p in params), torch.cuda.max_memory_allocated(),
