@@ -81,7 +81,7 @@ def test_bad_preset_names_preset_file_and_field(tmp_path):
     preset["model"]["n_heads"] = 2
     preset["train"]["precision"] = "fp8"
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(preset))
-    with pytest.raises(C.ConfigError, match=r"bad.yaml: train.precision: 'fp8' is not one of \['fp32', 'bf16', 'fp16'\]"):
+    with pytest.raises(C.ConfigError, match=r"bad.yaml: train.precision: 'fp8' is not one of \['fp32', 'bf16', 'fp16', 'auto'\]"):
         C.load_preset(str(tmp_path / "bad.yaml"))
 
 

@@ -15,15 +15,18 @@ MARGIN = 0.08
 
 @pytest.fixture(scope="module")
 def record():
-    """A CUDA trace record of a class with GPU evidence (fused attention, expandable, eager)."""
+    """A CUDA trace record of a class with GPU evidence (efficient attention, fp32, expandable, eager,
+    Hopper: the H100 calibration names the card)."""
     return estimate(C.load_preset("cpu_tiny"), "trace", "cuda", calibration_spec="NVIDIA H100 80GB HBM3")
 
 
 def test_a_cuda_record_states_its_class_and_the_evidence(record):
     cls = record["uncertainty_class"]
-    assert cls == {"attention": "fused", "checkpointing": False, "allocator": "expandable", "step": "eager"}
+    assert cls == {"attention": "efficient", "dtype": "fp32", "checkpointing": False, "allocator": "expandable",
+                   "step": "eager", "generation": "Hopper"}
+    assert record["gpu"]["name"] == "h100"
     assert record["uncertainty"] == accuracy.uncertainty(cls)[0] >= accuracy.TARGET
-    assert "GPU measurements of this class" in record["uncertainty_evidence"]
+    assert "GPU measurement of this class" in record["uncertainty_evidence"]
     assert record["gate_required_bytes"] == round(record["peak_bytes"] * (1 + record["uncertainty"]))
 
 
@@ -44,7 +47,8 @@ def test_the_gate_refuses_what_only_the_uncertainty_pushes_over(record):
 
 def test_a_class_without_evidence_is_booked_conservatively_and_says_so():
     preset = C.set_field(C.load_preset("cpu_tiny"), "model.attention_backend", "math")   # math, expandable
-    preset = C.set_field(preset, "model.checkpointing", True)        # math checkpointed: never measured
+    preset = C.set_field(preset, "model.checkpointing", True)
+    preset = C.set_field(preset, "train.precision", "fp16")          # math fp16 checkpointed: never measured
     math = estimate(preset, "trace", "cuda", calibration_spec="NVIDIA H100 80GB HBM3")
     assert math["uncertainty_class"]["attention"] == "math" and math["uncertainty_class"]["checkpointing"]
     assert not accuracy.has_evidence(math["uncertainty_class"])
@@ -72,13 +76,15 @@ def test_the_report_shows_the_uncertainty_with_its_class(record):
     from tiersep.report.sections.estimates import _uncertainty
 
     u = record["uncertainty"] * 100
-    assert _uncertainty(Tier("cpu_tiny", "tier", estimate=record)) == f"±{u:.1f} % (fused, expandable, eager)"
+    assert _uncertainty(Tier("cpu_tiny", "tier", estimate=record)) == f"±{u:.1f} % (efficient, fp32, expandable, eager, Hopper)"
     unknown = dict(record, uncertainty=0.1, uncertainty_class=dict(record["uncertainty_class"], step="compiled"),
                    uncertainty_evidence="no GPU measurement of this class (...): booked conservatively at 10%")
-    assert _uncertainty(Tier("x", "tier", estimate=unknown)) == "±10.0 % (fused, expandable, compiled; no evidence)"
+    assert _uncertainty(Tier("x", "tier", estimate=unknown)) == \
+        "±10.0 % (efficient, fp32, expandable, compiled, Hopper; no evidence)"
     fitted = dict(unknown, uncertainty_evidence=(
                   "no out-of-sample GPU measurement of this class (...): booked conservatively at 10%"))
-    assert _uncertainty(Tier("y", "tier", estimate=fitted)) == "±10.0 % (fused, expandable, compiled; none out of sample)"
+    assert _uncertainty(Tier("y", "tier", estimate=fitted)) == \
+        "±10.0 % (efficient, fp32, expandable, compiled, Hopper; none out of sample)"
     assert _uncertainty(Tier("cpu", "tier", estimate={"uncertainty": 0.03})) == "±3.0 %"      # cpu: no class
 
 

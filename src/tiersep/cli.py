@@ -158,6 +158,8 @@ def cmd_estimate(args, cfg):
         raise C.ConfigError(f"--out {args.out}: with several --preset, a path holding {{preset}} (e.g. "
                             "results/vram/{preset}.json): one record per preset")
     if args.inference:
+        if args.gpu:
+            raise C.ConfigError("--gpu: models a training step's kernels and precision; not with --inference")
         if len(names) > 1:
             raise C.ConfigError("--inference: one --preset at a time")
         args.preset, args.out = names[0], args.out.replace("{preset}", C.tier_name(names[0]))
@@ -184,23 +186,40 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
             named = "--method measure" if args.method else f"{cfg.get('_source', 'config')}: estimate.method: measure"
             raise C.ConfigError(f"{named} on device cuda needs a GPU, and torch sees none (use --method "
                                 "trace or analytic, which model cuda without one, or --device cpu)")
-    settings = GateSettings.from_config(cfg, args.calibration)
+    card, calibration_spec, budget = gpu_target(cfg, args, device)
+    settings = GateSettings.from_config(cfg, calibration_spec)
     record = estimate(
         preset,
         method=method,
         device=device,
-        budget_bytes=estimate_budget(cfg, device, args.budget),
+        budget_bytes=budget if card is not None else estimate_budget(cfg, device, args.budget),
         safety_margin=settings.safety_margin,
         calibration_spec=settings.calibration_spec,
+        gpu=card,
     )
-    if device == "cuda" and args.budget is None and cfg["budget_gib"] == "auto":
+    if device == "cuda" and card is None and args.budget is None and cfg["budget_gib"] == "auto":
         record["budget"] = "auto (checked at train time)"
     write_json(out, validate_record("estimate", record, out))
     gib = record["peak_bytes"] / 2**30
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
     per_rank = f" per rank of {record['ranks']}" if record.get("ranks", 1) > 1 else ""
-    print(f"{preset['name']}: peak {gib:.2f} GiB{per_rank} ({record['method']}, {record['device']}, "
-          f"{record['attention_backend']} attention) -> {verdict}; wrote {out}")
+    on = f", {record['gpu']['model']}" if record.get("gpu") and record["gpu"].get("name") else ""
+    print(f"{preset['name']}: peak {gib:.2f} GiB{per_rank} ({record['method']}, {record['device']}{on}, "
+          f"{record['precision']}, {record['attention_backend']} attention) -> {verdict}; wrote {out}")
+
+
+def gpu_target(cfg: dict, args, device: str):
+    """`--gpu NAME`: (its catalogue entry, the calibration to use, the budget: --budget or the card's
+    memory); without it (None, --calibration, None)."""
+    if not getattr(args, "gpu", None):
+        return None, args.calibration, None
+    from tiersep.memory.fit.matrix import calibration_for, gpu_named
+
+    if device != "cuda":
+        raise C.ConfigError(f"--gpu {args.gpu}: models a GPU, but the estimate's device is {device} (--device cuda)")
+    card = gpu_named(args.gpu, "--gpu")
+    budget = C.budget_bytes(cfg, args.budget) if args.budget is not None else card.memory_bytes
+    return card, args.calibration or calibration_for(card), budget
 
 
 def cmd_fit(args, cfg):
@@ -215,12 +234,13 @@ def cmd_fit(args, cfg):
         raise C.ConfigError("--out: required with --budget (the preset YAML to write)")
     args.preset = args.preset[0]
     preset = resolve_preset(args.preset, cfg, args.set)
-    budget = C.budget_bytes(cfg, args.budget)
+    device = estimate_device(cfg, args.preset, preset, args.device)
+    card, calibration_spec, budget = gpu_target(cfg, args, device)
+    budget = budget if card is not None else C.budget_bytes(cfg, args.budget)
     if budget is None:
         raise C.ConfigError("--budget: no budget (auto found no GPU); give a number of GiB")
     try:
-        found = FitSearch(preset, estimate_device(cfg, args.preset, preset, args.device),
-                          GateSettings.from_config(cfg, args.calibration)).fit(budget)
+        found = FitSearch(preset, device, GateSettings.from_config(cfg, calibration_spec), gpu=card).fit(budget)
     except NothingFits as err:
         raise C.DoesNotFit(str(err)) from None
     fitted, changes, record = found.variant, found.changes, found.record
@@ -455,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=budget_gib, metavar="GIB", help="budget in GiB (default: config budget_gib)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="GPU calibration for cuda estimates: auto, "
                    "a built-in GPU name, or a `tiersep calibrate` JSON (default from config)")
+    p.add_argument("--gpu", metavar="NAME", help="model this GPU of the catalogue (t4, v100-16gb, a100-40gb, "
+                   "h100...; `tiersep.gpu_catalogue`): the attention kernel and precision that run there, "
+                   "and its memory as the budget unless --budget is given")
     p.add_argument("--inference", action="store_true", help="estimate separation instead of training: one "
                    "model call (eval mode, no autograd) on --batch chunks of --chunk seconds")
     p.add_argument("--chunk", type=_schema_number("config.schema.yaml", "separate.chunk_seconds", float),
@@ -468,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_preset(p, many="repeatable with --gpus (default there: every tier of the config)")
     budget_or_gpus = p.add_mutually_exclusive_group(required=True)
     budget_or_gpus.add_argument("--budget", type=budget_gib, metavar="GIB", help="budget in GiB")
+    budget_or_gpus.add_argument("--gpu", metavar="NAME", help="one GPU of the catalogue: its memory is the "
+                                "budget, its attention kernels and precision are modelled (t4: fp16, no flash)")
     budget_or_gpus.add_argument("--gpus", metavar="LIST", help="comma-separated budgets: "
                                 "numbers of GiB and GPUs of the catalogue (their memory; docs/memory.md "
                                 "\"GPUs\"), e.g. 8,12,16,24,40,48,80,96 or t4,v100-16gb,rtx3090,a100-40gb,h100")

@@ -49,10 +49,36 @@ class GpuEntry:
     def sm(self) -> str:
         return f"sm{self.capability[0]}{self.capability[1]}"
 
+    @property
+    def generation(self) -> str:
+        return generation(self.capability)
+
+    def runs(self, kernel: str, half: str | None) -> bool:
+        """Whether torch 2.11 runs SDPA `kernel` here for `half` (bf16, fp16, or None for fp32):
+        flash takes 16-bit inputs only, and below sm80 the fused kernels take fp16 but not bf16
+        (sdp_utils.cpp: check_dtypes_low_precision); math runs everything."""
+        if kernel not in self.kernels:
+            return False
+        if kernel == "flash" and half is None:
+            return False
+        return kernel == "math" or half != "bf16" or self.bf16
+
     def as_record(self) -> dict:
         return {"name": self.name, "model": self.model, "memory_bytes": self.memory_bytes,
                 "memory_source": self.memory_source, "capability": list(self.capability),
-                "bf16": self.bf16, "kernels": list(self.kernels), "note": self.note}
+                "generation": self.generation, "bf16": self.bf16, "kernels": list(self.kernels),
+                "note": self.note}
+
+
+# Architecture names by compute capability: a class of the accuracy evidence is per generation.
+GENERATIONS = (((6, 0), "Pascal"), ((7, 0), "Volta"), ((7, 5), "Turing"), ((8, 0), "Ampere"), ((8, 9), "Ada"),
+               ((9, 0), "Hopper"), ((10, 0), "Blackwell"))
+
+
+def generation(capability: tuple[int, int]) -> str:
+    """The architecture of a compute capability (sm86 is Ampere, sm89 Ada); below sm60, "pre-Pascal"."""
+    found = [label for start, label in GENERATIONS if tuple(capability) >= start]
+    return found[-1] if found else "pre-Pascal"
 
 
 def _gpu(name: str, model: str, aliases: tuple[str, ...], gb: float, capability: tuple[int, int],
@@ -127,6 +153,18 @@ def catalogue_entry(nvml_name: str | None, total_bytes: int | None = None) -> Gp
                 return min(found, key=lambda e: e.memory_bytes)
             return min(found, key=lambda e: abs(e.memory_bytes - total_bytes))
     return unknown(nvml_name, total_bytes)
+
+
+def from_capability(nvml_name: str, capability: tuple[int, int], total_bytes: int | None = None,
+                    source: str = "a calibration file") -> GpuEntry:
+    """A card not in the catalogue whose compute capability is known (a `tiersep calibrate` file
+    records it): its kernels and bf16 follow from the capability, as torch decides them."""
+    capability = tuple(capability)
+    return GpuEntry(name="calibrated", model=nvml_name, aliases=(nvml_name,), memory_bytes=total_bytes or 0,
+                    memory_source=f"measured: {source}" if total_bytes else "unknown", capability=capability,
+                    bf16=capability >= BF16_SM, kernels=kernels_for(capability),
+                    note=f"{nvml_name!r} is not in the GPU catalogue: its kernels follow from its compute "
+                         f"capability sm{capability[0]}{capability[1]} ({source})")
 
 
 def kernels_for(capability: tuple[int, int]) -> tuple[str, ...]:

@@ -1,16 +1,18 @@
 """How far a CUDA trace estimate can be trusted: the uncertainty of its class, from GPU evidence.
 
-A class is what changes how the trace can err: the attention kernel (fused or math), activation
-checkpointing, the caching allocator's mode (native or expandable segments) and the step (eager or
-compiled), and fp16 (train.precision fp16, apart from fp32 and bf16). The evidence is the CI accuracy test's data, real GPU measurements compared with the
-estimate (tests/test_memory_cuda_accuracy.py); `python -m tiersep.memory.evidence --write` turns it
-into accuracy_evidence.json, read here, and into the table in docs/memory.md.
+A class is what changes how the trace can err (issue 31: as fine as the evidence): the attention
+kernel (flash, efficient or math), the dtype (fp32, bf16 or fp16), activation checkpointing, the
+caching allocator's mode (native or expandable segments), the step (eager or compiled) and the GPU
+generation (tiersep.gpu_catalogue: Turing, Ampere, Hopper...). The evidence is the CI accuracy
+test's data, real GPU measurements compared with the estimate (tests/test_memory_cuda_accuracy.py);
+`python -m tiersep.memory.evidence --write` turns it into accuracy_evidence.json, read here, and into
+the table in docs/memory.md.
 
 A class with evidence gets the accuracy target the test holds every configuration to (1.5%), or
 its worst OUT-OF-SAMPLE device-use under-estimate when that is larger: each row's error with every
 figure fitted on it refitted without it (memory/evidence.py: out_of_sample). A class never measured
-on a GPU, or measured only on rows a figure was fitted on, gets NO_EVIDENCE_UNCERTAINTY, and its
-record says so.
+on a GPU (every generation but Hopper, today), or measured only on rows a figure was fitted on,
+gets NO_EVIDENCE_UNCERTAINTY, and its record says so.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import math
 from pathlib import Path
 
 EVIDENCE_FILE = Path(__file__).with_name("accuracy_evidence.json")
-CLASS_KEYS = ("attention", "checkpointing", "allocator", "step")
+CLASS_KEYS = ("attention", "dtype", "checkpointing", "allocator", "step", "generation")
 # What the accuracy test holds reserved and device use to, for every configuration.
 TARGET = 0.015
 # A class no GPU has measured: the uncertainty of the analytic closed form (analytic.UNCERTAINTY).
@@ -30,26 +32,26 @@ NO_EVIDENCE_UNCERTAINTY = 0.10
 
 
 def estimate_class(record: dict) -> dict:
-    """The class of a CUDA estimate record (its attention_backend, checkpointing, allocator,
-    compiled and precision fields). An fp16 step's class says so (dtype fp16): no GPU has measured
-    one, so it has no evidence of its own and books NO_EVIDENCE_UNCERTAINTY. fp32 and bf16 steps
-    still share their classes (the evidence file's, which predate the dtype)."""
+    """The class of a CUDA estimate record: its attention_backend (the kernel the trace ran),
+    precision, checkpointing, allocator, compiled and gpu (the generation modelled) fields."""
     allocator = record.get("allocator") or {}
-    cls = {"attention": "math" if record.get("attention_backend") == "math" else "fused",
-           "checkpointing": bool(record.get("checkpointing")),
-           "allocator": "expandable" if allocator.get("expandable_segments") else "native",
-           "step": "compiled" if record.get("compiled") else "eager"}
-    return {**cls, "dtype": "fp16"} if record.get("precision") == "fp16" else cls
+    return {"attention": record.get("attention_backend") or "unknown",
+            "dtype": record.get("precision") or "fp32",
+            "checkpointing": bool(record.get("checkpointing")),
+            "allocator": "expandable" if allocator.get("expandable_segments") else "native",
+            "step": "compiled" if record.get("compiled") else "eager",
+            "generation": (record.get("gpu") or {}).get("generation") or "any sm80+"}
 
 
 def class_label(cls: dict) -> str:
-    """e.g. "fused attention, checkpointed, native allocator, eager step"."""
-    return (f"{cls['attention']} attention, {'checkpointed' if cls['checkpointing'] else 'no checkpointing'}, "
-            f"{cls['allocator']} allocator, {cls['step']} step" + (f", {cls['dtype']}" if cls.get("dtype") else ""))
+    """e.g. "flash attention, bf16, checkpointed, native allocator, eager step, Hopper"."""
+    return (f"{cls['attention']} attention, {cls['dtype']}, "
+            f"{'checkpointed' if cls['checkpointing'] else 'no checkpointing'}, "
+            f"{cls['allocator']} allocator, {cls['step']} step, {cls['generation']}")
 
 
 def class_key(cls: dict) -> tuple:
-    return tuple(cls[k] for k in CLASS_KEYS) + ((cls["dtype"],) if cls.get("dtype") else ())
+    return tuple(cls.get(k) for k in CLASS_KEYS)   # a file from before a key was added matches nothing
 
 
 def uncertainty_of_errors(device_errors: list[float]) -> float:

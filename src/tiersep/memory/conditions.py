@@ -8,9 +8,12 @@ all parts of one record describe the same run. A fit search decides once per var
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from tiersep.device import planned_allocator
+from tiersep.gpu_catalogue import GpuEntry
+from tiersep.model.step import resolve_precision
 from tiersep.model.compile import compiles
 
 from .trace import modelled_backend
@@ -19,11 +22,12 @@ from .trace import modelled_backend
 @dataclass(frozen=True)
 class Conditions:
     device: str                 # cuda | cpu: what the estimate models (no GPU is needed for cuda)
-    precision: str              # fp32 | bf16 | fp16: train.precision, the autocast dtype (model.step.autocast)
+    precision: str              # fp32 | bf16 | fp16: train.precision as it runs (auto resolved for the card)
     attention: str              # the SDPA kernel assumed: flash | efficient | math (trace/attention.py)
     expandable_segments: bool   # the CUDA caching allocator's mode (device.planned_allocator); False on cpu
     compiled: bool              # the torch.compile'd step (model.compile.compiles) or the eager one
     ranks: int                  # data-parallel ranks (train.ranks): >1, the figures are a rank's
+    gpu: GpuEntry | None = None  # cuda: the card modelled (tiersep.gpu_catalogue); None: any sm80+ card
 
     @property
     def data_parallel(self) -> bool:
@@ -33,16 +37,53 @@ class Conditions:
         """The record's `allocator` field: the mode modelled on cuda, None on cpu."""
         return {"expandable_segments": self.expandable_segments} if self.device == "cuda" else None
 
+    def gpu_record(self) -> dict | None:
+        """The record's `gpu` field: the card whose kernels and precision the estimate models."""
+        if self.device != "cuda":
+            return None
+        if self.gpu is None:
+            return {"name": None, "model": "any sm80+ GPU", "generation": None, "capability": None, "note":
+                    "no GPU named, none visible, and the calibration names no known card: an sm80+ card assumed"}
+        return {k: v for k, v in self.gpu.as_record().items() if k in ("name", "model", "generation", "capability", "note")}
 
-def decide(preset: dict, device: str, compiled: bool | None = None) -> Conditions:
-    """The conditions an estimate of `preset` on `device` models. `compiled` None: as the preset
-    will run (model.compile.compiles). A CUDA kernel the preset cannot run is a ConfigError here."""
+    def applied(self, preset: dict) -> dict:
+        """`preset` as it runs under these conditions: train.precision resolved (auto), and on a card
+        where torch's own choice differs from an sm80+ card's (no flash, or no bf16 in the fused
+        kernels), model.attention_backend set to the kernel that runs there. Unchanged otherwise, so
+        an sm80+ estimate traces exactly what it did before."""
+        m, t = preset["model"], preset["train"]
+        kernel_differs = self.device == "cuda" and self.gpu is not None and \
+            m["attention_backend"] == "auto" and self.attention != modelled_backend(
+                {**preset, "train": {**t, "precision": self.precision}}, "cuda")
+        if t["precision"] == self.precision and not kernel_differs:
+            return preset
+        out = copy.deepcopy(preset)
+        out["train"]["precision"] = self.precision
+        if kernel_differs:
+            out["model"]["attention_backend"] = self.attention
+        return out
+
+
+def decide(preset: dict, device: str, compiled: bool | None = None, gpu: GpuEntry | None = None) -> Conditions:
+    """The conditions an estimate of `preset` on `device` models (on CUDA, on card `gpu`: its
+    precision and kernels). `compiled` None: as the preset will run (model.compile.compiles). A
+    precision or CUDA kernel the card cannot run is a ConfigError here, naming the card."""
+    from tiersep.config import ConfigError
+
     t = preset["train"]
+    bf16_native = gpu is None or gpu.bf16
+    precision = resolve_precision(t["precision"], device, bf16_native)
+    if device == "cuda" and precision == "bf16" and not bf16_native:
+        raise ConfigError(f"train.precision: bf16 is not native on the {gpu.model} ({gpu.sm}, {gpu.generation}): "
+                          "it would be emulated, and its fused attention kernels refuse it; set fp16 (with "
+                          "the loss scaler) or auto")
+    as_run = preset if precision == t["precision"] else {**preset, "train": {**t, "precision": precision}}
     return Conditions(
         device=device,
-        precision=t["precision"],
-        attention=modelled_backend(preset, device),
+        precision=precision,
+        attention=modelled_backend(as_run, device, gpu if device == "cuda" else None),
         expandable_segments=bool(planned_allocator(preset)["expandable_segments"]) if device == "cuda" else False,
         compiled=compiles(preset, device) if compiled is None else bool(compiled),
         ranks=int(t.get("ranks", 1)),
+        gpu=gpu if device == "cuda" else None,
     )

@@ -30,23 +30,29 @@ import torch
 from . import accuracy, analytic, calibration, conditions, cpu_booking
 from .constants import BREAKDOWN_KEYS, CPU_UNCERTAINTY
 from .trace import ranks, trace_step
+from tiersep.gpu_catalogue import GpuEntry
 from tiersep.model.compile import error_chain
 
 METHODS = ("trace", "analytic", "measure")
 
 
 def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_bytes: int | None = None,
-             safety_margin: float = 0.08, calibration_spec: str = "auto", compiled: bool | None = None) -> dict:
+             safety_margin: float = 0.08, calibration_spec: str = "auto", compiled: bool | None = None,
+             gpu: GpuEntry | str | None = None) -> dict:
     """Predict the peak memory of one training step of `preset` on `device` (see module docstring).
     `calibration_spec` (cuda): auto, a built-in GPU name or a calibration file (memory.calibration).
-    `compiled`: model the compiled step (trace only); None: when the preset compiles on `device`."""
+    `compiled`: model the compiled step (trace only); None: when the preset compiles on `device`.
+    `gpu` (cuda): the card whose kernels and precision are modelled, a catalogue entry or name;
+    None: modelled_gpu's choice."""
     if method not in METHODS:
         raise ValueError(f"estimate.method: {method!r} (allowed: {', '.join(METHODS)})")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"estimate.device: {device!r} (allowed: cuda, cpu)")
     start = time.time()
     cal = calibration.resolve(calibration_spec) if device == "cuda" else None
-    cond = conditions.decide(preset, device, compiled)
+    card = modelled_gpu(gpu, cal, calibration_spec) if device == "cuda" else None
+    cond = conditions.decide(preset, device, compiled, card)
+    preset = cond.applied(preset)
     if method == "trace":
         record = _from_trace(preset, cond, cal)
     elif method == "analytic":
@@ -74,12 +80,40 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         "checkpointing": preset["model"]["checkpointing"],
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
         "allocator": cond.allocator_record(),
+        "gpu": cond.gpu_record(),
     }
     if device == "cuda" and method == "trace":
         cls = accuracy.estimate_class(record)
         record["uncertainty"], record["uncertainty_evidence"] = accuracy.uncertainty(cls)
         record["uncertainty_class"] = cls
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
+
+
+def modelled_gpu(gpu: GpuEntry | str | None, cal: dict, calibration_spec: str = "auto") -> GpuEntry | None:
+    """The card a CUDA estimate models: `gpu` when given (a catalogue entry or name); with the
+    calibration given, its card; else the GPU in this machine; else the calibration's card (the
+    built-in H100 without a GPU). A calibration's card not in the catalogue is known by the capability
+    it records (`tiersep calibrate`), or None (any sm80+ card, as before there was a catalogue)."""
+    from tiersep import gpu_catalogue, gpu_info
+    from tiersep.config import ConfigError
+
+    if isinstance(gpu, GpuEntry):
+        return gpu
+    if gpu is not None:
+        entry = gpu_catalogue.named(gpu)
+        if entry is None:
+            raise ConfigError(f"--gpu: {gpu[:80]!r} is not a GPU of the catalogue (known: "
+                              f"{', '.join(gpu_catalogue.by_name())})")
+        return entry
+    if calibration_spec == "auto" and gpu_info.name() is not None:
+        return gpu_info.catalogue_entry()
+    entry = gpu_catalogue.catalogue_entry(cal["name"], cal.get("total_memory_bytes"))
+    if entry.name != "unknown":
+        return entry
+    if cal.get("capability"):
+        return gpu_catalogue.from_capability(cal["name"], cal["capability"], cal.get("total_memory_bytes"),
+                                             cal["used"]["source"])
+    return None
 
 
 def with_booking(record: dict, preset: dict) -> dict:
@@ -189,7 +223,7 @@ def _planned_class(preset: dict, cond: conditions.Conditions) -> dict:
     return accuracy.estimate_class({"attention_backend": cond.attention,
                                     "checkpointing": preset["model"]["checkpointing"],
                                     "allocator": cond.allocator_record(),
-                                    "precision": preset["train"]["precision"]})
+                                    "precision": cond.precision, "gpu": cond.gpu_record()})
 
 
 def _from_trace(preset: dict, cond: conditions.Conditions, cal: dict | None) -> dict:

@@ -227,23 +227,19 @@ def leave_one_out(device_errors: list[float]) -> dict:
 
 
 def render(evidence: dict) -> str:
-    """The docs/memory.md table: every class, its evidence and the uncertainty the gate books."""
-    import itertools
-
-    by_key = {accuracy.class_key(e["class"]): e for e in evidence["classes"]}
-    lines = [BEGIN, "| attention | checkpointing | allocator | step | configurations measured | device use | "
-                    "reserved | allocated | out of sample: device use | held out: device use | left out: covered | "
-                    "booked uncertainty |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for att, ckpt, alloc, step in itertools.product(("fused", "math"), (False, True), ("native", "expandable"),
-                                                    ("eager", "compiled")):
-        cls = {"attention": att, "checkpointing": ckpt, "allocator": alloc, "step": step}
-        entry = by_key.get(accuracy.class_key(cls))
-        head = f"| {att} | {'yes' if ckpt else 'no'} | {alloc} | {step} |"
-        if entry is None:
-            lines.append(f"{head} none | | | | | | | {evidence['no_evidence_uncertainty']:.1%} (no evidence) |")
-            continue
-        configs = entry["configurations"]
+    """The docs/memory.md table: every class with GPU evidence, what it rests on and the uncertainty
+    the gate books; one last line for every other class (each generation without a measurement)."""
+    lines = [BEGIN, "| attention | dtype | checkpointing | allocator | step | generation | configurations measured | "
+                    "device use | reserved | allocated | out of sample: device use | held out: device use | "
+                    "left out: covered | booked uncertainty |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    order = {"flash": 0, "efficient": 1, "math": 2}
+    for entry in sorted(evidence["classes"], key=lambda e: (
+            e["class"]["generation"], order.get(e["class"]["attention"], 3), e["class"]["dtype"],
+            e["class"]["checkpointing"], e["class"]["allocator"], e["class"]["step"])):
+        cls, configs = entry["class"], entry["configurations"]
+        head = (f"| {cls['attention']} | {cls['dtype']} | {'yes' if cls['checkpointing'] else 'no'} | "
+                f"{cls['allocator']} | {cls['step']} | {cls['generation']} |")
 
         def span(key, digits=2, rows=configs):
             values = [c[key] for c in rows if c[key] is not None]
@@ -261,6 +257,8 @@ def render(evidence: dict) -> str:
                      f"{span('allocated_error', 3)} | {span('out_of_sample_error')} ({n_oos} of {len(configs)}) | "
                      f"{span('device_error', rows=[c for c in configs if c['held_out']])} "
                      f"| {loo['covered']} of {loo['of']}{missed} | {booked} |")
+    lines.append(f"| any other | | | | | any other | none | | | | | | | "
+                 f"{evidence['no_evidence_uncertainty']:.1%} (no evidence) |")
     return "\n".join(lines + [END])
 
 

@@ -15,11 +15,23 @@ import torch
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# train.precision may also be `auto`, resolved for the device before anything runs (resolve_precision)
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp16 loss scaling: a run whose every step skipped this many times in a row stops (scale_collapsed).
 # From GradScaler's initial 2**16 the scale has then halved to 2**-9: gradients that still overflow
 # fp16 there are not a scaling problem but non-finite values in the forward pass or the data.
 MAX_SKIPPED_IN_A_ROW = 25
+
+
+def resolve_precision(precision: str, device_type: str, bf16_native: bool) -> str:
+    """train.precision as it will run: `auto` is bf16 on a GPU with native bf16 (sm80+), fp16 with
+    the loss scaler on an older one (where bf16 would be emulated, and the fused attention kernels
+    refuse it), and fp32 on a CPU (whose autocast is slow in either 16-bit type without AMX)."""
+    if precision != "auto":
+        return precision
+    if device_type != "cuda":
+        return "fp32"
+    return "bf16" if bf16_native else "fp16"
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from tiersep import config as C
-from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_allocator
+from tiersep.device import apply_memory_fraction, choose_device, configure_cuda_allocator, device_type
 from tiersep.io import read_json
 from tiersep.malloc import configure_malloc
 from tiersep.memory import GateSettings
 from tiersep.memory.cpu_booking import trims_heap
 from tiersep.model.compile import compiles
+from tiersep.model.step import resolve_precision
 from tiersep.probe import MemoryProbe
 from tiersep.train.job import TrainJob
 from tiersep.train.oom import plan_micro_batch
@@ -115,6 +116,18 @@ def usable_estimate(estimate_path, preset: dict, device: torch.device, allocator
     return record, None
 
 
+def run_precision(preset: dict) -> str:
+    """train.precision as this process will train it: `auto` resolved for the device it trains on
+    (model/step.py resolve_precision; the card's native bf16 read from NVML, no CUDA context)."""
+    precision = preset["train"]["precision"]
+    if precision != "auto":
+        return precision
+    from tiersep import gpu_info
+
+    kind = device_type(preset["train"]["device"])
+    return resolve_precision(precision, kind, kind == "cuda" and gpu_info.catalogue_entry().bf16)
+
+
 def plan_run(job: TrainJob, gated_on_main: bool = False, main_estimate: dict | None = None) -> RunPlan:
     """Everything decided before the run allocates anything (see module docstring).
     `gated_on_main`: a data-parallel rank other than 0 plans with rank 0's gate verdict (its
@@ -123,6 +136,7 @@ def plan_run(job: TrainJob, gated_on_main: bool = False, main_estimate: dict | N
 
     cfg, out_dir, resume, attempt = job.cfg, job.out_dir, job.resume, job.attempt
     preset = copy.deepcopy(job.preset)
+    preset["train"]["precision"] = run_precision(preset)   # auto: for this machine's device, before all else
     failure_path = out_dir / "failure.json"
     previous_failure = read_json(failure_path) if failure_path.is_file() else None
     resume_warnings: list[str] = []

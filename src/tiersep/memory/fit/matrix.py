@@ -136,7 +136,7 @@ def levers(original: dict, variant: dict) -> list[str]:
     if original["model"]["checkpointing"] != variant["model"]["checkpointing"]:
         pulled.append("checkpointing")
     if original["train"]["precision"] != variant["train"]["precision"]:
-        pulled.append("bf16")
+        pulled.append("precision")
     if original["audio"]["segment_samples"] != variant["audio"]["segment_samples"]:
         pulled.append("segment")
     return pulled
@@ -146,7 +146,7 @@ def short_levers(original: dict, variant: dict) -> str:
     """e.g. "ckpt, bf16, 4.1 s*, 1x8": the levers pulled, then the micro-batch x accumulation it
     trains with; * marks a shorter segment."""
     pulled = levers(original, variant)
-    words = {"attention": "fused attn", "checkpointing": "ckpt", "bf16": "bf16"}
+    words = {"attention": "fused attn", "checkpointing": "ckpt", "precision": variant["train"]["precision"]}
     parts = [words[lever] for lever in pulled if lever in words]
     if "segment" in pulled:
         a = variant["audio"]
@@ -156,7 +156,7 @@ def short_levers(original: dict, variant: dict) -> str:
 
 
 def fitting_cell(search: FitSearch, found: Fitted, budget: Budget) -> dict:
-    original, variant, record = search.preset, found.variant, found.record
+    original, variant, record = search.user_preset, found.variant, found.record
     rate = original["audio"]["sample_rate"]
     seconds = variant["audio"]["segment_samples"] / rate
     pulled = levers(original, variant)
@@ -173,6 +173,7 @@ def fitting_cell(search: FitSearch, found: Fitted, budget: Budget) -> dict:
         "uncertainty_class": accuracy.class_label(record["uncertainty_class"]) if record.get("uncertainty_class")
         else None,
         "attention_backend": record.get("attention_backend"),
+        "gpu": (record.get("gpu") or {}).get("model"),
         "batch_size": variant["train"]["batch_size"],
         "grad_accum": variant["train"]["grad_accum"],
         "precision": variant["train"]["precision"],
@@ -231,9 +232,10 @@ def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
     for budget in budgets:
         cell_settings = settings_for(budget, settings)
         used = calibration.resolve(cell_settings.calibration_spec)["used"]
-        key = (used["name"], used["source"])
+        card = gpu_catalogue.by_name()[budget.gpu] if budget.gpu is not None else None
+        key = (used["name"], used["source"], card.name if card is not None else None)
         if key not in searches:
-            searches[key] = FitSearch(preset, "cuda", cell_settings, estimate_record)
+            searches[key] = FitSearch(preset, "cuda", cell_settings, estimate_record, gpu=card)
         cell, fitted = cell_of(searches[key], budget)
         cells.append(cell)
         if fitted is not None:

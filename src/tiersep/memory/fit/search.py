@@ -4,13 +4,19 @@ Levers, from the one that changes training least to the one that changes it most
   1. a fused attention kernel instead of math (same maths, O(L) memory);
   2. a smaller micro-batch with more accumulation (same effective batch batch_size * grad_accum);
   3. per-block gradient checkpointing (same maths, about a third more compute);
-  4. bf16 autocast (norms, RoPE, STFT and the residual stream stay fp32);
+  4. 16-bit autocast (norms, RoPE, STFT and the residual stream stay fp32): bf16, or fp16 with the
+     loss scaler on a card without native bf16 (tiersep.gpu_catalogue);
   5. a shorter training segment (changes what the model sees: last resort).
 The search keeps the longest segment, then the fewest levers, then the largest micro-batch, using
 the instant `analytic` form scaled by trace/analytic of the original preset, and verifies the choice
 with `trace` (stepping further down if the trace disagrees). A candidate fits when the gate would
 pass it: its record goes through `estimate.finish`, the one place `fits` is set. It writes nothing;
 the CLI does.
+
+On CUDA the search models one card (a gpu_catalogue entry): its kernels decide what `auto` attention
+runs (no flash before sm80) and its precision lever (fp16 where bf16 is not native). A preset the card
+cannot run as written (bf16 on a T4, flash forced where there is none) is first made runnable, and
+that change is listed with the others.
 
 `FitSearch` holds one preset's search (its trace, the analytic scale, every trace it ran), so one
 search answers many budgets with one trace per distinct variant (`tiersep fit --gpus`, fit_matrix).
@@ -24,8 +30,9 @@ from dataclasses import dataclass
 from .. import accuracy, analytic, calibration
 from ..conditions import Conditions, decide
 from ..constants import GIB, MIB
-from ..estimate import estimate, finish, with_booking
+from ..estimate import estimate, finish, modelled_gpu, with_booking
 from .settings import GateSettings
+from tiersep.gpu_catalogue import GpuEntry
 
 ROUNDS = 4   # trace checks before giving up: each tightens the analytic form to what the trace said
 # A shorter segment's first guess aims this far below the budget: the closed form anchored on the
@@ -55,14 +62,14 @@ def _divisors_desc(n: int, at_most: int) -> list[int]:
     return [d for d in range(min(n, at_most), 0, -1) if n % d == 0]
 
 
-def _variant(preset: dict, segment: int, micro: int, effective: int, ckpt: bool, bf16: bool,
+def _variant(preset: dict, segment: int, micro: int, effective: int, ckpt: bool, half: str | None,
              backend: str) -> dict:
     v = copy.deepcopy(preset)
     v["audio"]["segment_samples"] = segment
     v["train"]["batch_size"] = micro
     v["train"]["grad_accum"] = effective // micro
     v["model"]["checkpointing"] = ckpt
-    v["train"]["precision"] = "bf16" if bf16 else v["train"]["precision"]
+    v["train"]["precision"] = half or v["train"]["precision"]
     v["model"]["attention_backend"] = backend
     return v
 
@@ -83,12 +90,38 @@ def describe_changes(old: dict, new: dict) -> list[str]:
     if old["model"]["checkpointing"] != new["model"]["checkpointing"]:
         changes.append("model.checkpointing: false -> true (per-block recomputation, ~1/3 more compute)")
     if old["train"]["precision"] != new["train"]["precision"]:
-        changes.append(f"train.precision: {old['train']['precision']} -> {new['train']['precision']} (autocast)")
+        why = " with the loss scaler" if new["train"]["precision"] == "fp16" else ""
+        changes.append(f"train.precision: {old['train']['precision']} -> {new['train']['precision']} (autocast{why})")
     os_, ns = old["audio"]["segment_samples"], new["audio"]["segment_samples"]
     if os_ != ns:
         rate = old["audio"]["sample_rate"]
         changes.append(f"audio.segment_samples: {os_} -> {ns} ({os_ / rate:.2f} s -> {ns / rate:.2f} s)")
     return changes
+
+
+def runnable_on(preset: dict, gpu: GpuEntry | None) -> tuple[dict, list[str]]:
+    """`preset` made runnable on card `gpu` (None: any sm80+ card, which runs everything), and why:
+    bf16 where it is not native becomes fp16 with the loss scaler; a fused kernel forced where it
+    does not run becomes auto (the kernel torch picks there)."""
+    if gpu is None:
+        return preset, []
+    out, why = copy.deepcopy(preset), []
+    if out["train"]["precision"] == "bf16" and not gpu.bf16:
+        out["train"]["precision"] = "fp16"
+        why.append(f"the {gpu.model} ({gpu.sm}) has no native bf16")
+    half = out["train"]["precision"] if out["train"]["precision"] in ("bf16", "fp16") else None
+    backend = out["model"]["attention_backend"]
+    if backend in ("flash", "efficient") and not gpu.runs(backend, half):
+        out["model"]["attention_backend"] = "auto"
+        why.append(f"the {gpu.model} ({gpu.sm}) runs no {backend} kernel for {half or 'fp32'}")
+    return out, why
+
+
+def kernel_note(cond: Conditions) -> list[str]:
+    """One line when the card runs another attention kernel than an sm80+ card would (no flash)."""
+    if cond.gpu is None or "flash" in cond.gpu.kernels or cond.attention == "flash":
+        return []
+    return [f"attention runs {cond.attention} on the {cond.gpu.model} ({cond.gpu.sm}: no flash kernel before sm80)"]
 
 
 def fitted_name(preset: dict, budget_bytes: int) -> str:
@@ -101,16 +134,21 @@ class FitSearch:
     """The fit search for one preset on one device, margin and calibration. Traces are kept by
     variant, so asking for several budgets traces each distinct variant once."""
 
-    def __init__(self, preset: dict, device: str, settings: GateSettings, estimate_record: dict | None = None):
+    def __init__(self, preset: dict, device: str, settings: GateSettings, estimate_record: dict | None = None,
+                 gpu: GpuEntry | None = None):
         """`estimate_record`: the preset's own trace estimate when one was made already (the
         workflow's results/vram/<tier>.json); used instead of tracing it again when it was made for
-        this device, calibration, allocator, torch and the preset's settings (`reusable`)."""
-        self.preset, self.device = preset, device
+        this device, calibration, allocator, torch, card and the preset's settings (`reusable`).
+        `gpu` (cuda): the card modelled; None: the one an estimate picks (estimate.modelled_gpu)."""
+        self.device, self.user_preset = device, preset
         self.margin, self.spec = settings.safety_margin, settings.calibration_spec
         self.cal = calibration.resolve(self.spec) if device == "cuda" else None
+        self.gpu = (gpu or modelled_gpu(None, self.cal, self.spec)) if device == "cuda" else None
+        preset, self.made_runnable = runnable_on(preset, self.gpu)
+        self.preset = preset
         self.traces: dict[str, dict] = {}
         self.numels = analytic.parameter_numels(preset)
-        self.conditions = decide(preset, device)          # the preset's; each variant decides its own
+        self.conditions = self.decide(preset)          # the preset's; each variant decides its own
         self.reused = int(estimate_record is not None and self.reusable(estimate_record))
         if self.reused:
             self.traces[self._key(preset)] = copy.deepcopy(estimate_record)
@@ -121,10 +159,21 @@ class FitSearch:
         t, m = preset["train"], preset["model"]
         self.effective = t["batch_size"] * t["grad_accum"]
         self.backend = "auto" if self.conditions.attention == "math" else m["attention_backend"]
-        self.bf16_options = [False] if t["precision"] == "bf16" else [False, True]
+        # the precision lever: the card's 16-bit type (bf16 where native, else fp16)
+        self.half = "bf16" if self.gpu is None or self.gpu.bf16 else "fp16"
+        self.half_options = [None] if t["precision"] in ("bf16", "fp16") else [None, self.half]
         self.ckpt_options = [True] if m["checkpointing"] else [False, True]
 
     # ---- estimates ----------------------------------------------------------------------------
+    def decide(self, variant: dict) -> Conditions:
+        return decide(variant, self.device, gpu=self.gpu)
+
+    def changes(self, variant: dict) -> list[str]:
+        """What differs from the preset as given, the card's own needs first."""
+        made = [f"{line} ({'; '.join(self.made_runnable)})" for line in describe_changes(self.user_preset, self.preset)]
+        later = [c for c in describe_changes(self.user_preset, variant) if c not in describe_changes(self.user_preset, self.preset)]
+        return made + later + (kernel_note(self.decide(variant)) if self.device == "cuda" else [])
+
     @staticmethod
     def _key(variant: dict) -> str:
         return json.dumps(variant, sort_keys=True, default=str)
@@ -150,13 +199,14 @@ class FitSearch:
         return (all(used.get(k) == self.cal["used"][k] for k in ("name", "source"))
                 and used.get("context_bytes") == self.cal["context_bytes"]
                 and (record.get("allocator") or {}).get("expandable_segments")
-                == self.conditions.expandable_segments)
+                == self.conditions.expandable_segments
+                and (record.get("gpu") or {}).get("name") == (self.conditions.gpu_record() or {}).get("name"))
 
     def traced(self, variant: dict) -> dict:
         """The trace estimate of `variant` without a budget (`verdict` judges it), run once."""
         key = self._key(variant)
         if key not in self.traces:
-            self.traces[key] = estimate(variant, "trace", self.device, None, self.margin, self.spec)
+            self.traces[key] = estimate(variant, "trace", self.device, None, self.margin, self.spec, gpu=self.gpu)
         return self.traces[key]
 
     def verdict(self, record: dict, budget_bytes: int) -> dict:
@@ -172,9 +222,9 @@ class FitSearch:
         the original's fields, the variant's settings, and on cuda the uncertainty of the variant's
         class as estimate() states it (at least `uncertainty`)."""
         record = {k: v for k, v in self.original.items() if k != "cpu_process"}
-        t, cond = variant["train"], decide(variant, self.device)
+        t, cond = variant["train"], self.decide(variant)
         record.update(peak_bytes=int(scale * self.ratio * self._analytic_peak(variant, cond)), uncertainty=uncertainty,
-                      precision=t["precision"], batch_size=t["batch_size"], grad_accum=t["grad_accum"],
+                      precision=cond.precision, batch_size=t["batch_size"], grad_accum=t["grad_accum"],
                       segment_samples=variant["audio"]["segment_samples"],
                       checkpointing=variant["model"]["checkpointing"],
                       attention_backend=cond.attention)
@@ -191,7 +241,7 @@ class FitSearch:
             raise ValueError("fit: a positive budget in bytes is needed")
         first = self.verdict(self.original, budget_bytes)
         if first["fits"]:
-            return Fitted(copy.deepcopy(self.preset), [], first)
+            return Fitted(copy.deepcopy(self.preset), self.changes(self.preset), first)
         a = self.preset["audio"]
         # on cuda each candidate books its own class's uncertainty; this floor rises when a trace says more
         correction = 1.0
@@ -202,10 +252,10 @@ class FitSearch:
 
         def best_at(segment: int, scale: float) -> dict | None:
             """Fewest levers, then the largest micro-batch, that fit at this segment length."""
-            for bf16 in self.bf16_options:
+            for half in self.half_options:
                 for ckpt in self.ckpt_options:
                     for micro in _divisors_desc(self.effective, self.preset["train"]["batch_size"]):
-                        v = _variant(self.preset, segment, micro, self.effective, ckpt, bf16, self.backend)
+                        v = _variant(self.preset, segment, micro, self.effective, ckpt, half, self.backend)
                         if fits(v, scale):
                             return v
             return None
@@ -234,8 +284,9 @@ class FitSearch:
             if checked["fits"]:
                 fitted = copy.deepcopy(choice)
                 fitted["name"] = fitted_name(self.preset, budget_bytes)
-                changes = describe_changes(self.preset, fitted)
-                fitted["description"] = (f"{self.preset['name']} fitted to {budget_bytes / GIB:g} GiB ({self.device}): "
+                changes = self.changes(fitted)
+                on = f"{self.device}, {self.gpu.model}" if self.gpu is not None else self.device
+                fitted["description"] = (f"{self.preset['name']} fitted to {budget_bytes / GIB:g} GiB ({on}): "
                                          f"{'; '.join(changes)}. Trace estimate {checked['peak_bytes'] / GIB:.2f} GiB.")
                 return Fitted(fitted, changes, checked)
             # the trace disagrees: correct the closed form by how far it was off, and book at least
@@ -250,15 +301,15 @@ class FitSearch:
         shorter-segment search is centred on a trace of its own mode, not the original's (traced
         once, whatever the budget)."""
         v = self.frugal(self.preset["audio"]["segment_samples"])
-        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v, decide(v, self.device)))
+        return self.traced(v)["peak_bytes"] / (self.ratio * self._analytic_peak(v, self.decide(v)))
 
     def frugal(self, segment: int | None = None) -> dict:
-        """Every lever pulled: micro-batch 1, checkpointing, bf16, a fused kernel; at `segment`
+        """Every lever pulled: micro-batch 1, checkpointing, 16-bit, a fused kernel; at `segment`
         samples (default the shortest the search tries: n_fft rounded up to a whole hop)."""
         a = self.preset["audio"]
         if segment is None:
             segment = -(-a["n_fft"] // a["hop"]) * a["hop"]
-        return _variant(self.preset, segment, 1, self.effective, True, True, self.backend)
+        return _variant(self.preset, segment, 1, self.effective, True, self.half, self.backend)
 
     def smallest_budget(self) -> tuple[int, dict]:
         """(the least budget the most frugal variant fits, to the MiB, as the gate judges it; its trace
@@ -281,16 +332,17 @@ class FitSearch:
             would = f", which needs a budget of {smallest / GIB:.2f} GiB"
         return NothingFits(
             f"preset {self.preset['name']}: nothing fits {budget_bytes / GIB:.2f} GiB on {self.device} with a "
-            f"{self.margin:.0%} margin, not even micro-batch 1 with checkpointing, bf16, a fused attention "
+            f"{self.margin:.0%} margin, not even micro-batch 1 with checkpointing, {self.half}, a fused attention "
             f"kernel and the shortest segment ({a['n_fft']} samples){would}; the original needs "
             f"{self.original['peak_bytes'] / GIB:.2f} GiB. Reduce model.n_layers / model.emb_dim, or use a larger GPU.",
             smallest, floor)
 
 
-def fit(preset: dict, budget_bytes: int, device: str, settings: GateSettings) -> tuple[dict, list[str]]:
-    """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`,
-    and the changes made ([] and the preset itself when it fits as is)."""
+def fit(preset: dict, budget_bytes: int, device: str, settings: GateSettings,
+        gpu: GpuEntry | None = None) -> tuple[dict, list[str]]:
+    """A variant of `preset` whose estimated peak plus the safety margin is within `budget_bytes`
+    (on card `gpu` on cuda), and the changes made ([] and the preset itself when it fits as is)."""
     if budget_bytes is None or budget_bytes <= 0:
         raise ValueError("fit: a positive budget in bytes is needed")
-    found = FitSearch(preset, device, settings).fit(budget_bytes)
+    found = FitSearch(preset, device, settings, gpu=gpu).fit(budget_bytes)
     return found.variant, found.changes

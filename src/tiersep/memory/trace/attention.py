@@ -20,16 +20,25 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def choose_cuda_backend(requested: str, dtype: torch.dtype, head_dim: int, has_mask: bool) -> str:
-    """The SDPA kernel CUDA runs (sm80+), or ConfigError when the requested one cannot run."""
+def choose_cuda_backend(requested: str, dtype: torch.dtype, head_dim: int, has_mask: bool, gpu=None) -> str:
+    """The SDPA kernel CUDA runs on `gpu` (a gpu_catalogue entry; None: an sm80+ card, which runs
+    every kernel), or ConfigError when the requested one cannot run there. auto takes flash, then
+    efficient, then math, as torch tries them (sdp_utils.cpp)."""
     from tiersep.config import ConfigError
 
-    half = dtype in (torch.float16, torch.bfloat16)
-    flash_ok = half and head_dim <= 256 and not has_mask
+    half = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
+    flash_ok = half is not None and head_dim <= 256 and not has_mask
     # memory-efficient: head dim a multiple of the GEMM alignment (8 for 16-bit, 4 for fp32)
     efficient_ok = dtype in (torch.float32, torch.float16, torch.bfloat16) and head_dim % (8 if half else 4) == 0
+    flash_here = gpu is None or gpu.runs("flash", half)
+    efficient_here = gpu is None or gpu.runs("efficient", half)
     if requested == "auto":
-        return "flash" if flash_ok else "efficient" if efficient_ok else "math"
+        return ("flash" if flash_ok and flash_here else "efficient" if efficient_ok and efficient_here else "math")
+    if requested in ("flash", "efficient") and not (flash_here if requested == "flash" else efficient_here):
+        dtype_name = half or "fp32"
+        raise ConfigError(f"model.attention_backend: {requested} does not run on the {gpu.model} ({gpu.sm}, "
+                          f"{gpu.generation}) with {dtype_name}: it runs {', '.join(k for k in gpu.kernels if gpu.runs(k, half))} "
+                          f"there (tiersep.gpu_catalogue); set auto")
     if requested == "flash" and not flash_ok:
         raise ConfigError(f"model.attention_backend: flash needs fp16/bf16 (train.precision bf16 or fp16) and a head "
                          f"dim <= 256 on CUDA; got {str(dtype).replace('torch.', '')}, head dim {head_dim}")
@@ -39,12 +48,13 @@ def choose_cuda_backend(requested: str, dtype: torch.dtype, head_dim: int, has_m
     return requested
 
 
-def modelled_backend(preset: dict, device: str) -> str:
-    """The SDPA kernel the estimate assumes (what torch picks on that device for this preset)."""
+def modelled_backend(preset: dict, device: str, gpu=None) -> str:
+    """The SDPA kernel the estimate assumes (what torch picks on that device for this preset; on
+    CUDA, on card `gpu`, a gpu_catalogue entry, or any sm80+ card when None)."""
     m, t = preset["model"], preset["train"]
     if device == "cuda":
         dtype = autocast_dtype(t["precision"]) or torch.float32
-        return choose_cuda_backend(m["attention_backend"], dtype, m["attention_dim"] // m["n_heads"], False)
+        return choose_cuda_backend(m["attention_backend"], dtype, m["attention_dim"] // m["n_heads"], False, gpu)
     # CPU: the flash kernel for CPU takes no dropout; otherwise the math path
     if m["attention_backend"] in ("auto", "flash"):
         return "flash" if m["dropout"] == 0 else "math"

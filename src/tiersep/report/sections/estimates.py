@@ -49,7 +49,7 @@ def _device_model(tier: Tier) -> str:
 
 
 def _uncertainty(tier: Tier) -> str:
-    """e.g. "±1.5 % (fused, native, eager)": what the gate books on top of the peak, and the class
+    """e.g. "±1.5 % (flash, bf16, native, eager, Hopper)": what the gate books on top of the peak, and the class
     whose GPU evidence it comes from (memory/accuracy.py); "no evidence" where none exists."""
     estimate = tier.estimate or {}
     value = estimate.get("uncertainty")
@@ -62,7 +62,10 @@ def _uncertainty(tier: Tier) -> str:
     evidence = str(estimate.get("uncertainty_evidence"))
     none = "; no evidence" if "no GPU measurement" in evidence else \
         "; none out of sample" if "no out-of-sample" in evidence else ""
-    return f"±{float(value) * 100:.1f} % ({cls.get('attention')}{ckpt}, {cls.get('allocator')}, {cls.get('step')}{none})"
+    dtype = f", {cls['dtype']}" if cls.get("dtype") else ""
+    generation = f", {cls['generation']}" if cls.get("generation") else ""
+    return (f"±{float(value) * 100:.1f} % ({cls.get('attention')}{dtype}{ckpt}, {cls.get('allocator')}, "
+            f"{cls.get('step')}{generation}{none})")
 
 
 def _ranks(tier: Tier) -> str:
