@@ -3,7 +3,7 @@ evidence the gate books from it.
 
 Every measured configuration under tests/data/gpu (tiersep.memory.evidence.load_rows: on the
 2026-11-22 H100, 11 with the native caching allocator, 3 steps, and 6 with expandable segments, 2
-steps; plus any folder bench/gpu_evidence.py adds) is estimated as it ran (the model of the measured
+steps; plus the folders bench/gpu_evidence.py made on H200s on 2026-11-26 and 2026-11-27) is estimated as it ran (the model of the measured
 commit, read from git; that GPU's calibration) and compared with what torch and the driver
 reported on the GPU:
 - allocated_peak_bytes vs torch.cuda.max_memory_allocated: within 0.5%;
@@ -55,6 +55,22 @@ KNOWN_GAPS = {
         "not): the compiled trace is not booked (memory/estimate.py books the eager step)"),
     "small compiled-exp-compiled@h200-2026-11-26": (
         "allocated -16%, device use -28%: as the native row; the compiled trace is not booked"),
+    # The H200 run of 2026-11-27 (issue 31: fp16, and fp32/bf16 math rows of their own), all held out.
+    "held-out memory_optimized fp16 ckpt-native@h200-2026-11-27": (
+        "reserved +5.8%, device use +5.5% (native allocator, checkpointed, n_fft 2048): an over-estimate, as "
+        "the bf16 row of this configuration (+5.6%); allocated +0.002%"),
+    "held-out small fp16 math-exp@h200-2026-11-27": (
+        "reserved +2.2%, device use +2.2% (expandable segments, math attention): an over-estimate, as bf16's"),
+    "held-out small fp32 math 8h64-native@h200-2026-11-27": (
+        "reserved -2.2%, device use -2.2% (native allocator, fp32 math attention): an UNDER-estimate; its "
+        "class books 8.8%"),
+    "held-out memory_optimized fp32 math ckpt-exp@h200-2026-11-27": (
+        "reserved +4.4%, device use +4.4% (expandable segments, fp32 math, checkpointed): an over-estimate"),
+    "held-out small bf16 math b2-native@h200-2026-11-27": (
+        "reserved -5.8%, device use -5.7% (native allocator, bf16 math attention, batch 2): an "
+        "UNDER-estimate; its class (bf16 math, native) books 5.7%"),
+    "held-out memory_optimized fp32 math 2s-native@h200-2026-11-27": (
+        "reserved +4.9%, device use +5.3% (native allocator, fp32 math, n_fft 2048): an over-estimate"),
 }
 
 _records: dict = {}
@@ -81,7 +97,8 @@ def test_the_shared_configurations_are_all_here():
     modes = [(r["folder"], r["expandable_segments"]) for r in ROWS]
     assert modes.count(("h100-2026-11-22", False)) == 11 and modes.count(("h100-2026-11-22", True)) == 6
     assert modes.count(("h200-2026-11-26", False)) == 10 and modes.count(("h200-2026-11-26", True)) == 5
-    assert sum(bool(r.get("held_out")) for r in ROWS) == 8
+    assert modes.count(("h200-2026-11-27", False)) == 7 and modes.count(("h200-2026-11-27", True)) == 3
+    assert sum(bool(r.get("held_out")) for r in ROWS) == 8 + 10
     assert len({evidence.row_id(r) for r in ROWS}) == len(ROWS), "two measured rows share an id"
     assert set(KNOWN_GAPS) <= {evidence.row_id(r) for r in ROWS}, "a known gap names no measured row"
 

@@ -61,6 +61,17 @@ def test_an_overflowing_step_is_skipped_and_counted_and_moves_nothing(ws, tmp_pa
     assert (scaler["skipped"], scaler["in_a_row"], scaler["scaler"]["scale"]) == (1, 0, 2.0 ** 15)
 
 
+def test_auto_precision_trains_fp32_on_a_cpu_and_says_so(ws, tmp_path):
+    """train.precision auto (issue 31) is resolved for the device before the run: fp32 on a CPU, no
+    scaler; run.json and the stored preset say fp32, so separation and a resume read what ran."""
+    out = tmp_path / "run"
+    assert trainer.train(ws["cfg"], tiny_preset(**{"train.steps": 2, "train.precision": "auto"}), ws["data"], out) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["precision"] == "fp32" and run["loss_scaler"] is None
+    last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert last["scaler"] is None and last["preset"]["train"]["precision"] == "fp32"
+
+
 def test_an_fp32_run_has_no_scaler(ws, tmp_path):
     out = tmp_path / "run"
     assert trainer.train(ws["cfg"], tiny_preset(**{"train.steps": 2}), ws["data"], out) == 0

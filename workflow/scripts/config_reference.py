@@ -61,7 +61,9 @@ EXTRA_DESCRIPTIONS = {
     ("preset", "train.device"): "Where to train: auto (CUDA when a GPU is visible), cpu or cuda.",
     ("preset", "train.grad_accum"): "Micro-batches accumulated per optimizer step "
                                     "(effective batch = batch_size x grad_accum).",
-    ("preset", "train.precision"): "fp32, bf16 autocast, or fp16 autocast with a gradient scaler (norms, RoPE, STFT stay fp32; docs/training.md#fp16).",
+    ("preset", "train.precision"): ("fp32, bf16 autocast, or fp16 autocast with a gradient scaler (norms, RoPE, STFT stay fp32; "
+                                    "docs/training.md#fp16); auto: bf16 on a GPU with native bf16 (sm80+), fp16 on "
+                                    "an older one, fp32 on a CPU (docs/memory.md#gpus)."),
     ("preset", "train.lr"): "AdamW learning rate (after the linear warm-up).",
     ("preset", "train.weight_decay"): "AdamW weight decay.",
     ("preset", "train.betas"): "AdamW betas.",

@@ -23,6 +23,7 @@ mode, eager or compiled step) from the GPU evidence (memory/accuracy.py), named 
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -87,6 +88,24 @@ def estimate(preset: dict, method: str = "trace", device: str = "cuda", budget_b
         record["uncertainty"], record["uncertainty_evidence"] = accuracy.uncertainty(cls)
         record["uncertainty_class"] = cls
     return finish(with_booking(record, preset), budget_bytes, safety_margin, time.time() - start)
+
+
+def for_card(record: dict, preset: dict, cond: conditions.Conditions) -> dict | None:
+    """A CUDA trace record made for another card, restated for the card of `cond`, or None where it
+    cannot be: the trace is the same wherever the same preset runs (`cond.applied(preset)`, the same
+    calibration), and only the card, its class and what that books differ (the fit matrix shares its
+    traces across the GPUs of a column this way). None when this card's class would book the compiled
+    trace (the trace itself would differ)."""
+    why_eager = _why_eager(preset, cond)
+    if why_eager is None or record.get("compiled") or cond.data_parallel:
+        return None
+    out = copy.deepcopy(record)
+    out["gpu"] = cond.gpu_record()
+    out["compiled_note"] = f"train.compile {preset['train'].get('compile')} on {cond.device}{why_eager}"
+    cls = accuracy.estimate_class(out)
+    out["uncertainty"], out["uncertainty_evidence"] = accuracy.uncertainty(cls)
+    out["uncertainty_class"] = cls
+    return finish(out, out["budget_bytes"], out["safety_margin"], out["seconds"])
 
 
 def modelled_gpu(gpu: GpuEntry | str | None, cal: dict, calibration_spec: str = "auto") -> GpuEntry | None:

@@ -228,6 +228,7 @@ def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
     FitSearch per calibration, its traces kept across the budgets; `estimate_record`, the tier's
     own estimate, spares its first trace where it was made alike (FitSearch.reusable)."""
     searches: dict[tuple, FitSearch] = {}
+    shared: dict = {}      # traces by the preset as it runs: cards that run the same one share them
     cells, presets = [], {}
     for budget in budgets:
         cell_settings = settings_for(budget, settings)
@@ -235,7 +236,7 @@ def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
         card = gpu_catalogue.by_name()[budget.gpu] if budget.gpu is not None else None
         key = (used["name"], used["source"], card.name if card is not None else None)
         if key not in searches:
-            searches[key] = FitSearch(preset, "cuda", cell_settings, estimate_record, gpu=card)
+            searches[key] = FitSearch(preset, "cuda", cell_settings, estimate_record, gpu=card, shared=shared)
         cell, fitted = cell_of(searches[key], budget)
         cells.append(cell)
         if fitted is not None:
@@ -247,7 +248,7 @@ def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
              "original": {"peak_bytes": int(original["peak_bytes"]), "uncertainty": original["uncertainty"],
                           "attention_backend": original.get("attention_backend")},
              "cells": cells},
-            presets, sum(len(s.traces) - s.reused for s in searches.values()))
+            presets, sum(s.traced_here for s in searches.values()))
 
 
 def _row_job(job: tuple) -> tuple[dict, dict[str, dict], int]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from .. import accuracy, analytic, calibration
 from ..conditions import Conditions, decide
 from ..constants import GIB, MIB
-from ..estimate import estimate, finish, modelled_gpu, with_booking
+from ..estimate import estimate, finish, for_card, modelled_gpu, with_booking
 from .settings import GateSettings
 from tiersep.gpu_catalogue import GpuEntry
 
@@ -135,11 +135,14 @@ class FitSearch:
     variant, so asking for several budgets traces each distinct variant once."""
 
     def __init__(self, preset: dict, device: str, settings: GateSettings, estimate_record: dict | None = None,
-                 gpu: GpuEntry | None = None):
+                 gpu: GpuEntry | None = None, shared: dict | None = None):
         """`estimate_record`: the preset's own trace estimate when one was made already (the
         workflow's results/vram/<tier>.json); used instead of tracing it again when it was made for
         this device, calibration, allocator, torch, card and the preset's settings (`reusable`).
-        `gpu` (cuda): the card modelled; None: the one an estimate picks (estimate.modelled_gpu)."""
+        `gpu` (cuda): the card modelled; None: the one an estimate picks (estimate.modelled_gpu).
+        `shared`: traces of other cards' searches of this preset (the fit matrix's columns), by the
+        preset as it runs and the calibration: a card that runs the same preset restates them
+        (estimate.for_card) instead of tracing again."""
         self.device, self.user_preset = device, preset
         self.margin, self.spec = settings.safety_margin, settings.calibration_spec
         self.cal = calibration.resolve(self.spec) if device == "cuda" else None
@@ -147,6 +150,8 @@ class FitSearch:
         preset, self.made_runnable = runnable_on(preset, self.gpu)
         self.preset = preset
         self.traces: dict[str, dict] = {}
+        self.shared = shared
+        self.traced_here = 0          # traces this search ran itself (not reused, not restated)
         self.numels = analytic.parameter_numels(preset)
         self.conditions = self.decide(preset)          # the preset's; each variant decides its own
         self.reused = int(estimate_record is not None and self.reusable(estimate_record))
@@ -206,7 +211,18 @@ class FitSearch:
         """The trace estimate of `variant` without a budget (`verdict` judges it), run once."""
         key = self._key(variant)
         if key not in self.traces:
-            self.traces[key] = estimate(variant, "trace", self.device, None, self.margin, self.spec, gpu=self.gpu)
+            cond = self.decide(variant)
+            as_run = cond.applied(variant)
+            used = self.cal["used"] if self.cal else {}
+            common = (self._key(as_run), used.get("name"), used.get("source"))
+            seen = self.shared.get(common) if self.shared is not None else None
+            record = for_card(seen, as_run, cond) if seen is not None else None
+            if record is None:
+                record = estimate(variant, "trace", self.device, None, self.margin, self.spec, gpu=self.gpu)
+                self.traced_here += 1
+                if self.shared is not None:
+                    self.shared.setdefault(common, record)
+            self.traces[key] = record
         return self.traces[key]
 
     def verdict(self, record: dict, budget_bytes: int) -> dict:
