@@ -91,6 +91,14 @@ DTYPE_CLASSES = [
      "expandable"),
     ("held-out small bf16 math b2", "small", {**MATH, "train.batch_size": 2}, "measure", "native"),
     ("small fp16", "small", FP16, "events", "native"),     # the allocator's log of an fp16 step, for later rules
+    # the second run of 2026-11-27: the fp16 classes the first left without rows, and an out-of-sample
+    # row for efficient fp32 checkpointed with expandable segments (its only row was a rule's)
+    ("held-out ultra_safe fp16", "ultra_safe", {**FP16, "train.grad_accum": 1}, "measure", "expandable"),
+    ("held-out small fp16 b2 acc2", "small", {**FP16, "train.batch_size": 2, "train.grad_accum": 2}, "measure",
+     "expandable"),
+    ("held-out large fp16 ckpt 1s", "large", {**FP16, **CKPT, "audio.segment_samples": 44032, "train.grad_accum": 1},
+     "measure", "native"),
+    ("held-out ultra_safe fp32 ckpt", "ultra_safe", {**FP32, **CKPT, "train.grad_accum": 1}, "measure", "expandable"),
 ]
 JOBS = HELD_OUT + DTYPE_CLASSES + [
     ("calibrate", None, {}, "calibrate", "native"),

@@ -46,6 +46,12 @@ def test_the_plan_covers_every_open_question(bench):
         assert {(name, "measure", "native"), (name, "measure", "expandable")} <= jobs
     assert {("small compiled", "compiled", "native"), ("small compiled", "compiled", "expandable")} <= jobs
     assert {("calibrate", "calibrate", "native"), ("merl", "merl", "native")} <= jobs
+    # issue 31: fp16 with each kernel an old card may run it with, and math rows of each dtype, held out
+    assert {("held-out small fp16", "measure", "native"), ("held-out small fp16 efficient 6h", "measure", "native"),
+            ("held-out small fp16 math", "measure", "native"), ("held-out small fp16 math", "measure", "expandable"),
+            ("held-out memory_optimized fp16 ckpt", "measure", "native"),
+            ("held-out small fp32 math 8h64", "measure", "native"), ("held-out small bf16 math b2", "measure", "native"),
+            ("small fp16", "events", "native")} <= jobs
 
 
 def test_a_dry_run_writes_the_shared_format_and_says_what_it_skipped(bench, dry_folder):
