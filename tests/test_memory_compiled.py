@@ -139,11 +139,13 @@ def test_on_cuda_the_eager_figure_is_booked_while_a_gpu_finds_the_compiled_one_u
     for one."""
     from tiersep.memory import accuracy
 
-    preset = tiny_preset(**{"train.compile": True})
+    # bf16: flash attention, the class of the measured compiled rows (classes are per kernel and dtype)
+    preset = tiny_preset(**{"train.compile": True, "train.precision": "bf16"})
     eager = estimate(preset, "trace", "cuda", compiled=False)
     record = estimate(preset, "trace", "cuda")
     assert record["compiled"] is False and record["peak_bytes"] == eager["peak_bytes"]
     assert "train.compile True on cuda: the eager step, an upper bound" in record["compiled_note"]
+    assert record["uncertainty_class"]["attention"] == "flash"
     under = accuracy.worst_under(dict(record["uncertainty_class"], step="compiled"))
     assert under is not None and under < -accuracy.TARGET
     assert f"on a GPU it read {under:+.1%}" in record["compiled_note"] and "not booked" in record["compiled_note"]

@@ -69,6 +69,9 @@ KNOWN_GAPS = {
     "held-out small bf16 math b2-native@h200-2026-11-27": (
         "reserved -5.8%, device use -5.7% (native allocator, bf16 math attention, batch 2): an "
         "UNDER-estimate; its class (bf16 math, native) books 5.7%"),
+    "held-out large fp16 ckpt 1s-native@h200-2026-11-27": (
+        "reserved +5.5%, device use +4.9% (native allocator, checkpointed, n_fft 4096): an over-estimate, as "
+        "the bf16 row of this configuration (+4.9%, 2026-11-26); allocated -0.003%"),
     "held-out memory_optimized fp32 math 2s-native@h200-2026-11-27": (
         "reserved +4.9%, device use +5.3% (native allocator, fp32 math, n_fft 2048): an over-estimate"),
 }
@@ -97,8 +100,8 @@ def test_the_shared_configurations_are_all_here():
     modes = [(r["folder"], r["expandable_segments"]) for r in ROWS]
     assert modes.count(("h100-2026-11-22", False)) == 11 and modes.count(("h100-2026-11-22", True)) == 6
     assert modes.count(("h200-2026-11-26", False)) == 10 and modes.count(("h200-2026-11-26", True)) == 5
-    assert modes.count(("h200-2026-11-27", False)) == 7 and modes.count(("h200-2026-11-27", True)) == 3
-    assert sum(bool(r.get("held_out")) for r in ROWS) == 8 + 10
+    assert modes.count(("h200-2026-11-27", False)) == 8 and modes.count(("h200-2026-11-27", True)) == 6
+    assert sum(bool(r.get("held_out")) for r in ROWS) == 8 + 14
     assert len({evidence.row_id(r) for r in ROWS}) == len(ROWS), "two measured rows share an id"
     assert set(KNOWN_GAPS) <= {evidence.row_id(r) for r in ROWS}, "a known gap names no measured row"
 

@@ -243,6 +243,20 @@ def test_flash_with_dropout_on_cpu_is_an_error_not_a_fallback():
         model(torch.randn(1, 2, 1024))
 
 
+def test_out_of_memory_in_attention_stays_an_out_of_memory_error(monkeypatch):
+    """A CUDA OOM inside a named SDPA kernel (the H200's fp32 math attention asked 13.5 GiB more,
+    2026-11-27) must reach the trainer as torch.OutOfMemoryError, its retry's trigger, not as "no
+    math kernel for these inputs". Mocked: no CUDA allocation can run out here, so SDPA raises
+    torch's own OutOfMemoryError with the message the H200 printed."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 13.50 GiB.")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", out_of_memory)
+    model = tiny_model(attention_backend="math")
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 13.50 GiB"):
+        model(torch.randn(1, 2, 1024))
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="attention_backend"):
         tiny_model(attention_backend="fastest")

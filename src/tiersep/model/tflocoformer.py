@@ -150,6 +150,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str, chun
                 F.scaled_dot_product_attention(qc, kc, vc, dropout_p=dropout_p)
                 for qc, kc, vc in zip(q.split(chunk), k.split(chunk), v.split(chunk))
             ])
+        except torch.OutOfMemoryError:
+            raise        # out of memory is not a missing kernel: the trainer's OOM handling must see it
         except RuntimeError as err:
             if kernels is None:
                 raise
