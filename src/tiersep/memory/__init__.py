@@ -11,7 +11,7 @@ trace/         the engine: a step on fake tensors, counted and replayed through 
 estimate.py    the estimate record: one method (trace, analytic, measure), the conditions it models
                (conditions.py), its class's uncertainty (accuracy.py), the CPU booking (cpu_booking.py)
 conditions.py  what an estimate models, decided once: device, dtype, attention kernel, allocator
-               mode, compiled, ranks
+               mode, compiled, ranks, and on CUDA the card (tiersep.gpu_catalogue)
 analytic.py    the `analytic` method: a closed form fitted to traces (analytic_calibration.json)
 measure.py     the `measure` method: real steps on the device
 inference.py   the estimate of one separation call (`tiersep separate`, `tiersep estimate --inference`)

@@ -1,5 +1,6 @@
 """What an estimate models, decided once per estimate and passed on: the device, the precision, the
-attention kernel, the CUDA allocator mode, the compiled or eager step and the ranks.
+attention kernel, the CUDA allocator mode, the compiled or eager step, the ranks, and on CUDA the
+card (a gpu_catalogue entry: its kernels and native bf16 decide the kernel and what `auto` means).
 
 Each of these used to be asked again wherever it mattered (the attention kernel in estimate.py,
 analytic.py, fit/search.py and inference.py; the allocator mode four times in one estimate); a
