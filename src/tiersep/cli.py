@@ -213,11 +213,12 @@ def gpu_target(cfg: dict, args, device: str):
     memory); without it (None, --calibration, None)."""
     if not getattr(args, "gpu", None):
         return None, args.calibration, None
-    from tiersep.memory.fit.matrix import calibration_for, gpu_named
+    from tiersep import gpu_catalogue
+    from tiersep.memory.fit.matrix import calibration_for
 
     if device != "cuda":
         raise C.ConfigError(f"--gpu {args.gpu}: models a GPU, but the estimate's device is {device} (--device cuda)")
-    card = gpu_named(args.gpu, "--gpu")
+    card = gpu_catalogue.required(args.gpu, "--gpu")
     budget = C.budget_bytes(cfg, args.budget) if args.budget is not None else card.memory_bytes
     return card, args.calibration or calibration_for(card), budget
 

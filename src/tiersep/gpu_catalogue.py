@@ -132,6 +132,18 @@ def named(text: str) -> GpuEntry | None:
     return min(found, key=lambda e: e.memory_bytes) if found else None
 
 
+def required(text: str, where: str, also: str = "") -> GpuEntry:
+    """The entry `text` names (as `named`), or a ConfigError naming `where` and the known names
+    (`also`: what else `where` takes, e.g. "; or a number of GiB")."""
+    entry = named(text)
+    if entry is None:
+        from tiersep.config import ConfigError
+
+        raise ConfigError(f"{where}: {text[:80]!r} is not a GPU of the catalogue (known: "
+                          f"{', '.join(by_name())}{also})")
+    return entry
+
+
 def unknown(nvml_name: str | None, total_bytes: int | None = None) -> GpuEntry:
     """What an unknown card is assumed to be: no flash, no cuDNN attention, no native bf16 (the
     memory-efficient kernel runs from sm50, below which torch 2.11 builds no kernels)."""

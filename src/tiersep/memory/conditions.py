@@ -52,17 +52,22 @@ class Conditions:
         where torch's own choice differs from an sm80+ card's (no flash, or no bf16 in the fused
         kernels), model.attention_backend set to the kernel that runs there. Unchanged otherwise, so
         an sm80+ estimate traces exactly what it did before."""
-        m, t = preset["model"], preset["train"]
         kernel_differs = self.device == "cuda" and self.gpu is not None and \
-            m["attention_backend"] == "auto" and self.attention != modelled_backend(
-                {**preset, "train": {**t, "precision": self.precision}}, "cuda")
-        if t["precision"] == self.precision and not kernel_differs:
+            preset["model"]["attention_backend"] == "auto" and \
+            self.attention != modelled_backend(_with_precision(preset, self.precision), "cuda")
+        if preset["train"]["precision"] == self.precision and not kernel_differs:
             return preset
         out = copy.deepcopy(preset)
         out["train"]["precision"] = self.precision
         if kernel_differs:
             out["model"]["attention_backend"] = self.attention
         return out
+
+
+def _with_precision(preset: dict, precision: str) -> dict:
+    """`preset` with train.precision `precision` (a shallow copy where it differs)."""
+    t = preset["train"]
+    return preset if t["precision"] == precision else {**preset, "train": {**t, "precision": precision}}
 
 
 def decide(preset: dict, device: str, compiled: bool | None = None, gpu: GpuEntry | None = None) -> Conditions:
@@ -78,11 +83,10 @@ def decide(preset: dict, device: str, compiled: bool | None = None, gpu: GpuEntr
         raise ConfigError(f"train.precision: bf16 is not native on the {gpu.model} ({gpu.sm}, {gpu.generation}): "
                           "it would be emulated, and its fused attention kernels refuse it; set fp16 (with "
                           "the loss scaler) or auto")
-    as_run = preset if precision == t["precision"] else {**preset, "train": {**t, "precision": precision}}
     return Conditions(
         device=device,
         precision=precision,
-        attention=modelled_backend(as_run, device, gpu if device == "cuda" else None),
+        attention=modelled_backend(_with_precision(preset, precision), device, gpu if device == "cuda" else None),
         expandable_segments=bool(planned_allocator(preset)["expandable_segments"]) if device == "cuda" else False,
         compiled=compiles(preset, device) if compiled is None else bool(compiled),
         ranks=int(t.get("ranks", 1)),

@@ -114,16 +114,11 @@ def modelled_gpu(gpu: GpuEntry | str | None, cal: dict, calibration_spec: str = 
     built-in H100 without a GPU). A calibration's card not in the catalogue is known by the capability
     it records (`tiersep calibrate`), or None (any sm80+ card, as before there was a catalogue)."""
     from tiersep import gpu_catalogue, gpu_info
-    from tiersep.config import ConfigError
 
     if isinstance(gpu, GpuEntry):
         return gpu
     if gpu is not None:
-        entry = gpu_catalogue.named(gpu)
-        if entry is None:
-            raise ConfigError(f"--gpu: {gpu[:80]!r} is not a GPU of the catalogue (known: "
-                              f"{', '.join(gpu_catalogue.by_name())})")
-        return entry
+        return gpu_catalogue.required(gpu, "--gpu")
     if calibration_spec == "auto" and gpu_info.name() is not None:
         return gpu_info.catalogue_entry()
     entry = gpu_catalogue.catalogue_entry(cal["name"], cal.get("total_memory_bytes"))

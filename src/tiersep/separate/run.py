@@ -30,6 +30,7 @@ from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
 from tiersep.outputs import LOCK_INSIDE, STAMP, OutputRefused, check, check_writable, claim, exclusive
+from tiersep.gpu_catalogue import BF16_SM
 from tiersep.model.step import resolve_precision
 
 from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
@@ -188,7 +189,7 @@ def _separate(cfg: dict, opts: Options, songs: list[Path]) -> dict:
     rate = preset["audio"]["sample_rate"]
     device, plan = _plan(cfg, opts, preset, infos)
     if preset["train"]["precision"] == "auto":   # as trained on this device (model/step.py resolve_precision)
-        bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+        bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= BF16_SM
         preset = dict(preset, train=dict(preset["train"], precision=resolve_precision("auto", device.type, bf16)))
     malloc = _apply_malloc(plan)
     model = model.to(device)

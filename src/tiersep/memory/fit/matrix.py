@@ -49,15 +49,6 @@ def calibration_for(entry: gpu_catalogue.GpuEntry) -> str:
     return next((alias for alias in entry.aliases if alias in known), None) or calibration.most_conservative()
 
 
-def gpu_named(text: str, where: str) -> gpu_catalogue.GpuEntry:
-    """The catalogue entry `text` names (short name, model or NVML name, any case)."""
-    entry = gpu_catalogue.named(text)
-    if entry is None:
-        raise ConfigError(f"{where}: {text[:80]!r} is not a GPU of the catalogue (known: "
-                          f"{', '.join(gpu_catalogue.by_name())}; or a number of GiB)")
-    return entry
-
-
 def budget_of(item, where: str) -> Budget:
     """A Budget from a number of GiB (int, float or its text) or a GPU of the catalogue (its memory,
     its calibration)."""
@@ -66,7 +57,7 @@ def budget_of(item, where: str) -> Budget:
         try:
             item = float(item)
         except ValueError:
-            entry = gpu_named(item.strip(), where)
+            entry = gpu_catalogue.required(item.strip(), where, also="; or a number of GiB")
             return Budget(entry.model, entry.memory_bytes, entry.name, calibration_for(entry))
     if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) \
             or not 0 < item <= MAX_BUDGET_GIB:

@@ -175,9 +175,9 @@ class FitSearch:
 
     def changes(self, variant: dict) -> list[str]:
         """What differs from the preset as given, the card's own needs first."""
-        made = [f"{line} ({'; '.join(self.made_runnable)})" for line in describe_changes(self.user_preset, self.preset)]
-        later = [c for c in describe_changes(self.user_preset, variant) if c not in describe_changes(self.user_preset, self.preset)]
-        return made + later + (kernel_note(self.decide(variant)) if self.device == "cuda" else [])
+        made = describe_changes(self.user_preset, self.preset)
+        later = [c for c in describe_changes(self.user_preset, variant) if c not in made]
+        return [f"{line} ({'; '.join(self.made_runnable)})" for line in made] + later + (kernel_note(self.decide(variant)) if self.device == "cuda" else [])
 
     @staticmethod
     def _key(variant: dict) -> str:
