@@ -129,6 +129,29 @@ def test_estimate_gpu_through_the_cli(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_separation_estimate_models_the_card_too(tmp_path):
+    """`estimate --inference --gpu t4`: separation on a T4 runs fp16 (auto) on the efficient kernel,
+    judged against its 16 GB, the record naming the card; on an H100 the same preset runs bf16 on
+    flash. bf16 on a T4 is refused in one line, as for training."""
+    out = tmp_path / "t4_sep.json"
+    done = subprocess.run([TIERSEP, "estimate", "--config", "config/config.yaml", "--preset", "ultra_safe",
+                           "--set", "train.precision=auto", "--inference", "--chunk", "3", "--gpu", "t4",
+                           "--out", str(out)], cwd=REPO, text=True, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(cuda, T4, fp16, efficient attention)" in done.stdout
+    record = json.loads(out.read_text())
+    assert (record["mode"], record["precision"], record["attention_backend"], record["gpu"]["name"]) == \
+        ("inference", "fp16", "efficient", "t4")
+    assert record["budget_bytes"] == 16 * 10**9 and record["fits"] is True
+
+    from tiersep.memory.inference import estimate_inference
+    chunk = 3 * 44100
+    h100 = estimate_inference(seed("ultra_safe", **{"train.precision": "auto"}), "cuda", chunk, 1, gpu=CARDS["h100"])
+    assert (h100["precision"], h100["attention_backend"], h100["gpu"]["name"]) == ("bf16", "flash", "h100")
+    with pytest.raises(ConfigError, match=r"^train.precision: bf16 is not native on the T4 \(sm75, Turing\)"):
+        estimate_inference(seed("ultra_safe"), "cuda", chunk, 1, gpu=CARDS["t4"])
+
+
 def test_fit_the_seed_tiers_to_a_t4_through_the_cli(tmp_path):
     """The bf16 seed tiers become fp16 (no native bf16 on a T4) with the efficient kernel where
     their head dim allows it (math where not: small's 12), large stays fp32 on the efficient

@@ -158,8 +158,6 @@ def cmd_estimate(args, cfg):
         raise C.ConfigError(f"--out {args.out}: with several --preset, a path holding {{preset}} (e.g. "
                             "results/vram/{preset}.json): one record per preset")
     if args.inference:
-        if args.gpu:
-            raise C.ConfigError("--gpu: models a training step's kernels and precision; not with --inference")
         if len(names) > 1:
             raise C.ConfigError("--inference: one --preset at a time")
         args.preset, args.out = names[0], args.out.replace("{preset}", C.tier_name(names[0]))
@@ -360,14 +358,17 @@ def cmd_estimate_inference(args, cfg):
     rate = preset["audio"]["sample_rate"]
     seconds = args.chunk if args.chunk is not None else cfg["separate"]["chunk_seconds"]
     chunk = max(preset["audio"]["n_fft"], int(round(seconds * rate)))
-    settings = GateSettings.from_config(cfg, args.calibration)
+    card, calibration_spec, budget = gpu_target(cfg, args, device)
+    settings = GateSettings.from_config(cfg, calibration_spec)
     record = estimate_inference(preset, device, chunk, args.batch or 1,
-                                budget_bytes=estimate_budget(cfg, device, args.budget),
-                                safety_margin=settings.safety_margin, calibration_spec=settings.calibration_spec)
+                                budget_bytes=budget if card is not None else estimate_budget(cfg, device, args.budget),
+                                safety_margin=settings.safety_margin, calibration_spec=settings.calibration_spec,
+                                gpu=card)
     write_json(args.out, validate_record("estimate", record, args.out))
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
+    on = f", {record['gpu']['model']}" if record.get("gpu") and record["gpu"].get("name") else ""
     print(f"{preset['name']}: separation of {chunk / rate:g} s chunks x {record['batch']}: "
-          f"{record['gate_required_bytes'] / 2**30:.2f} GiB booked ({record['device']}, "
+          f"{record['gate_required_bytes'] / 2**30:.2f} GiB booked ({record['device']}{on}, {record['precision']}, "
           f"{record['attention_backend']} attention) -> {verdict}; wrote {args.out}")
     return 0
 
@@ -478,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a built-in GPU name, or a `tiersep calibrate` JSON (default from config)")
     p.add_argument("--gpu", metavar="NAME", help="model this GPU of the catalogue (t4, v100-16gb, a100-40gb, "
                    "h100...; `tiersep.gpu_catalogue`): the attention kernel and precision that run there, "
-                   "and its memory as the budget unless --budget is given")
+                   "and its memory as the budget unless --budget is given (training, or with --inference separation)")
     p.add_argument("--inference", action="store_true", help="estimate separation instead of training: one "
                    "model call (eval mode, no autograd) on --batch chunks of --chunk seconds")
     p.add_argument("--chunk", type=_schema_number("config.schema.yaml", "separate.chunk_seconds", float),

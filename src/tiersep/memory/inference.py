@@ -130,15 +130,18 @@ def trace_inference(preset: dict, device: str, chunk_samples: int, batch: int,
 
 def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int,
                        budget_bytes: int | None = None, safety_margin: float = 0.08,
-                       calibration_spec: str = "auto", host_bytes: int = 0) -> dict:
+                       calibration_spec: str = "auto", host_bytes: int = 0, gpu=None) -> dict:
     """The estimate record of separation with `preset` on `device` (the fields of a training
     estimate, results/vram, plus mode, chunk_samples and batch): peak_bytes is the predicted device
     use on cuda (reserved peak + CUDA context), the peak of live tensor bytes on cpu; on cpu
     `cpu_process` books the whole process (see module docstring), `host_bytes` being the stream's
-    buffers. `gate_required_bytes` and `fits` as the fit gate sets them (estimate.finish)."""
+    buffers. `gate_required_bytes` and `fits` as the fit gate sets them (estimate.finish). `gpu` (cuda,
+    a gpu_catalogue entry; `estimate --inference --gpu`): the card whose attention kernels and
+    precision are modelled, as for training (None: any sm80+ card)."""
     began = time.time()
     cal = calibration.resolve(calibration_spec) if device == "cuda" else None
-    cond = decide(preset, device, compiled=False)          # separation runs the eager model
+    cond = decide(preset, device, compiled=False, gpu=gpu)   # separation runs the eager model
+    preset = cond.applied(preset)                            # auto precision, the card's kernel
     r = trace_inference(preset, device, chunk_samples, batch,
                         cal["cublas_workspace_bytes"] if cal else CUBLAS_WORKSPACE_BYTES, cond.expandable_segments)
     live = r.allocated_peak
@@ -160,7 +163,7 @@ def estimate_inference(preset: dict, device: str, chunk_samples: int, batch: int
                                  f"conservatively at {NO_EVIDENCE_UNCERTAINTY:.0%}" if device == "cuda" else
                                  "the CPU trace counts a real call's live bytes (tests/test_separate_stream.py)"),
         "calibration": dict(cal["used"], context_bytes=cal["context_bytes"]) if cal else None,
-        "allocator": cond.allocator_record(),
+        "allocator": cond.allocator_record(), "gpu": cond.gpu_record(),
         "notes": r.notes, "torch": torch.__version__,
     }
     if device == "cpu":

@@ -23,14 +23,19 @@ from tiersep.model.step import train_step
 from tiersep.train.validation import validate
 
 # Test hook: "A" or "A-B", the data steps (0-based, as the OOM hook's) whose mixture is made inf:
-# a real non-finite forward and backward, for the fp16 scaler's skip and collapse (tests/test_train_fp16.py).
+# a real non-finite forward and backward, for the fp16 scaler's skip and collapse (tests/test_train_fp16.py);
+# "A@R": in data-parallel rank R only (tests/test_ddp.py: one rank's overflow skips the step on all).
 INJECT_INF_ENV = "TIERSEP_INJECT_INF"
 
 
-def inf_steps(text: str | None) -> range:
+def inf_steps(text: str | None, rank: int = 0) -> range:
+    """The data steps whose mixture this rank makes inf (INJECT_INF_ENV)."""
     if not text:
         return range(0)
-    first, _, last = text.partition("-")
+    steps, _, only = text.partition("@")
+    if only and int(only) != rank:
+        return range(0)
+    first, _, last = steps.partition("-")
     return range(int(first), int(last or first) + 1)
 
 
@@ -91,7 +96,7 @@ class Training:
 
     def _loop(self, flag: StopFlag) -> int:
         t, steps, micro = self.t, self.t["steps"], self.t["batch_size"]
-        injection, poisoned = parse_injection(os.environ.get(INJECT_OOM_ENV)), inf_steps(os.environ.get(INJECT_INF_ENV))
+        rank, injection, poisoned = self._test_hooks()
         self._start_random_streams()
         self.model.train()
         self.loop_start = time.time()
@@ -112,9 +117,9 @@ class Training:
                 with ckpt.preserved_rng():
                     data_step, mixture, stems = next(batches)
                 assert data_step == self.step, f"loader at step {data_step}, expected {self.step}"
-                self.trace.write(data_step, self.segments, mixture)
-                maybe_inject_oom(injection, data_step, micro, self.preset["name"], self.ranks.rank if self.ranks else 0)
                 mixture = torch.full_like(mixture, math.inf) if data_step in poisoned else mixture
+                self.trace.write(data_step, self.segments, mixture)
+                maybe_inject_oom(injection, data_step, micro, self.preset["name"], rank)
                 row = self._step(data_step, mixture, stems)
                 elapsed = time.time() - tick
                 if self.steps_this_process == 1 and self.compile_info["compiled"]:
@@ -149,6 +154,11 @@ class Training:
         if stop:
             return endings.preempt(self, flag)
         return endings.finish(self)
+
+    def _test_hooks(self) -> tuple[int, dict | None, range]:
+        """(this rank, the OOM injection, the data steps made inf) of the test hooks' variables."""
+        rank = self.ranks.rank if self.ranks else 0
+        return rank, parse_injection(os.environ.get(INJECT_OOM_ENV)), inf_steps(os.environ.get(INJECT_INF_ENV), rank)
 
     def _log(self, row: dict, audio: dict | None) -> None:
         """The step's rows in metrics.csv and memory.csv, and the same rows to the tracker's

@@ -83,8 +83,7 @@ def run_record(run, weights_step: int, held: str) -> dict:
         "parameters": run.parameters,
         "attention_backend": est.get("attention_backend", run.preset["model"]["attention_backend"]),
         "precision": t["precision"],
-        "loss_scaler": ({"scale": run.scaler.scale(), "skipped_steps": run.scaler.skipped}
-                        if run.scaler is not None else None),
+        "loss_scaler": loss_scaler(run),
         "batch_size": t["batch_size"], "grad_accum": t["grad_accum"],
         "ranks": t["ranks"], "nodes": t["nodes"],
         "effective_batch": t["batch_size"] * t["grad_accum"] * t["ranks"], "lr": t["lr"], "seed": t["seed"],
@@ -108,11 +107,18 @@ def run_record(run, weights_step: int, held: str) -> dict:
 
 
 def rank_memory(run) -> dict:
-    """One rank's line of run.json's per_rank (gathered by rank 0): where it ran and its peak
-    memory (resident set on a CPU, device use and allocator peaks on a GPU)."""
+    """One rank's line of run.json's per_rank (gathered by rank 0): where it ran, its peak memory
+    (resident set on a CPU, device use and allocator peaks on a GPU) and, with fp16, its own loss
+    scaler (every rank's skips the same steps: they unscale the same all-reduced gradients)."""
     peak_alloc, peak_reserved = run.plan.probe.peaks()
     return {"rank": run.ranks.rank, **host_info(), "device": describe_device(run.device),
-            "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_reserved, **run.plan.probe.record()}
+            "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_reserved, **run.plan.probe.record(),
+            "loss_scaler": loss_scaler(run)}
+
+
+def loss_scaler(run) -> dict | None:
+    """fp16's scale after the last step and the steps it skipped (None without a scaler)."""
+    return {"scale": run.scaler.scale(), "skipped_steps": run.scaler.skipped} if run.scaler is not None else None
 
 
 # What a training process writes into its run folder (a folder holding nothing else, and no stamp,
