@@ -21,7 +21,7 @@ report: setup
 	$(BIN)/snakemake report $(SNAKEMAKE_ARGS)
 
 test: setup-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 setup: system-deps $(VENV)/.installed
 

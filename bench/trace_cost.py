@@ -1,0 +1,111 @@
+"""Where a fit matrix's time goes: the cost of one trace, by tier, by lever and by depth.
+
+    python bench/trace_cost.py [--presets xlarge large] [--layers 1 2 4 8 12] [--rows]
+
+Prints Markdown, three tables (each trace run after a warm-up trace of the same preset, in this
+process, one torch thread as the matrix's workers use):
+1. per tier: the preset as written and its most frugal variant (checkpointing, micro-batch 1,
+   the 16-bit lever): the events a step records and the seconds of record_step (the step on fake
+   tensors) and of summarize (the allocator model's replay);
+2. the same frugal variant with model.n_layers set to each --layers value: how a trace's events and
+   time grow with depth (issue 31: a deep tier's checkpointed traces are the matrix's critical path);
+3. with --rows: each tier's row of `tiersep fit --gpus catalogue` (memory/fit/matrix.row) timed
+   alone, its traces and seconds. The matrix runs tiers in --jobs worker processes, so its wall
+   time is at least its slowest row's.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+SEEDS = ["ultra_safe", "small", "memory_optimized", "large", "xlarge"]
+
+
+def timed_trace(preset: dict) -> tuple[int, float, float]:
+    """(events recorded, record_step seconds, summarize seconds) of one cuda trace of `preset`."""
+    from tiersep.memory.trace import record_step, summarize
+
+    start = time.perf_counter()
+    rec = record_step(preset, "cuda")
+    recorded = time.perf_counter()
+    summarize(rec, "cuda")
+    return len(rec.timeline.events), recorded - start, time.perf_counter() - recorded
+
+
+def frugal(preset: dict) -> dict:
+    """Checkpointing, micro-batch 1 (the effective batch kept), bf16: the shape most fit traces take."""
+    v = copy.deepcopy(preset)
+    t = v["train"]
+    t["grad_accum"], t["batch_size"] = t["batch_size"] * t["grad_accum"], 1
+    v["model"]["checkpointing"] = True
+    t["precision"] = "bf16"
+    return v
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=SEEDS)
+    parser.add_argument("--layers", nargs="+", type=int, default=[1, 2, 4, 8, 12])
+    parser.add_argument("--depth-of", default="xlarge", help="the tier whose depth is varied (table 2)")
+    parser.add_argument("--rows", action="store_true", help="time each tier's catalogue row (minutes)")
+    args = parser.parse_args()
+    import torch
+
+    from tiersep import config as C
+
+    torch.set_num_threads(1)
+    cfg = C.load_config(ROOT / "config" / "config.yaml")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    print("# What one trace costs (bench/trace_cost.py)\n")
+    print(f"{time.strftime('%Y-%m-%d')}: {cpu}, torch {torch.__version__}, Python {platform.python_version()}, "
+          "one torch thread.\n")
+    print("| tier | layers | variant | events | record_step s | summarize s |")
+    print("|---|---:|---|---:|---:|---:|")
+    for name in args.presets:
+        preset = C.load_preset(name, cfg)
+        timed_trace(preset)   # warm-up: imports, first-call caches
+        for label, variant in (("as written", preset), ("frugal (ckpt, b1, bf16)", frugal(preset))):
+            events, rec_s, sum_s = timed_trace(variant)
+            print(f"| {name} | {preset['model']['n_layers']} | {label} | {events} | {rec_s:.2f} | {sum_s:.2f} |")
+
+    base = frugal(C.load_preset(args.depth_of, cfg))
+    print(f"\n{args.depth_of}, frugal, with model.n_layers set:\n")
+    print("| n_layers | events | events added per layer | record_step s | summarize s |")
+    print("|---:|---:|---:|---:|---:|")
+    last = None
+    for layers in args.layers:
+        variant = copy.deepcopy(base)
+        variant["model"]["n_layers"] = layers
+        events, rec_s, sum_s = timed_trace(variant)
+        per = f"{(events - last[1]) / (layers - last[0]):.0f}" if last else ""
+        print(f"| {layers} | {events} | {per} | {rec_s:.2f} | {sum_s:.2f} |")
+        last = (layers, events)
+
+    if args.rows:
+        from tiersep import gpu_catalogue
+        from tiersep.memory.fit import matrix
+        from tiersep.memory.fit.settings import GateSettings
+
+        budgets = matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
+        settings = GateSettings.from_config(cfg)
+        print("\nEach tier's row against the whole catalogue, alone in this process:\n")
+        print("| tier | traces | seconds | seconds per trace |")
+        print("|---|---:|---:|---:|")
+        for name in args.presets:
+            start = time.perf_counter()
+            _row, _presets, traces = matrix.row(name, C.load_preset(name, cfg), budgets, settings)
+            seconds = time.perf_counter() - start
+            print(f"| {name} | {traces} | {seconds:.1f} | {seconds / max(traces, 1):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
