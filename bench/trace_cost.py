@@ -12,11 +12,15 @@ process, one torch thread as the matrix's workers use):
 3. with --rows: each tier's row of `tiersep fit --gpus catalogue` (memory/fit/matrix.row) timed
    alone, its traces and seconds. The matrix runs tiers in --jobs worker processes, so its wall
    time is at least its slowest row's.
+4. with --diff TIER: how the timeline of TIER (checkpointed, micro-batch 1, a 1 s segment) with 3
+   blocks differs from the one with 2, event by event ((alloc|free, op, bytes, phase) compared with
+   difflib): what a trace of few blocks would have to insert to stand for a deeper one.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import platform
 import sys
 import time
@@ -49,12 +53,35 @@ def frugal(preset: dict) -> dict:
     return v
 
 
+def block_diff(preset: dict, blocks: int = 2) -> list[str]:
+    """Table rows: each run of events the trace of `blocks` + 1 blocks has that the trace of `blocks`
+    lacks or has otherwise (difflib's opcodes other than equal)."""
+    from tiersep.memory.trace import record_step
+
+    def tokens(n: int) -> list[tuple]:
+        variant = copy.deepcopy(preset)
+        variant["model"]["n_layers"] = n
+        timeline = record_step(variant, "cuda").timeline
+        return [(sign, timeline.allocations[key].op, timeline.allocations[key].nbytes,
+                 timeline.allocations[key].phase) for key, sign in timeline.events]
+
+    fewer, more = tokens(blocks), tokens(blocks + 1)
+    rows = [f"{len(fewer)} and {len(more)} events\n", "| change | at event | events | first event (alloc/free, op, bytes, phase) |",
+            "|---|---:|---:|---|"]
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, fewer, more, autojunk=False).get_opcodes():
+        if tag != "equal":
+            sign, op, nbytes, phase = more[j1] if j1 < len(more) else fewer[i1]
+            rows.append(f"| {tag} | {i1} | {max(j2 - j1, i2 - i1)} | {'alloc' if sign > 0 else 'free'}, {op}, {nbytes}, {phase} |")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=SEEDS)
     parser.add_argument("--layers", nargs="+", type=int, default=[1, 2, 4, 8, 12])
     parser.add_argument("--depth-of", default="xlarge", help="the tier whose depth is varied (table 2)")
     parser.add_argument("--rows", action="store_true", help="time each tier's catalogue row (minutes)")
+    parser.add_argument("--diff", metavar="TIER", help="diff TIER's 2- and 3-block timelines (table 4)")
     args = parser.parse_args()
     import torch
 
@@ -88,6 +115,13 @@ def main() -> int:
         per = f"{(events - last[1]) / (layers - last[0]):.0f}" if last else ""
         print(f"| {layers} | {events} | {per} | {rec_s:.2f} | {sum_s:.2f} |")
         last = (layers, events)
+
+    if args.diff:
+        preset = frugal(C.load_preset(args.diff, cfg))
+        preset["train"]["grad_accum"] = 1
+        preset["audio"]["segment_samples"] = preset["audio"]["sample_rate"]
+        print(f"\n{args.diff} (checkpointed, micro-batch 1, 1 s), 3 blocks against 2:\n")
+        print("\n".join(block_diff(preset)))
 
     if args.rows:
         from tiersep import gpu_catalogue
