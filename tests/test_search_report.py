@@ -133,6 +133,28 @@ def trained_preset(folder: Path, number: int) -> dict:
 
 
 # ---- outputs ------------------------------------------------------------------------------------
+def test_a_rewrite_drops_only_the_presets_it_wrote(two, tmp_path):
+    """Writing the outputs again (as every finished trial does) drops a stale preset of an earlier
+    write, and keeps a file of the user's in best/ and pareto/, even one named like a trial's."""
+    from tiersep.config import load_config
+    from tiersep.search import outputs
+
+    folder = tmp_path / two["folder"].name
+    shutil.copytree(two["folder"], folder)
+    stale = folder / "best" / "999gib.yaml"
+    stale.write_text(f"# trial 0 of study {folder.name}: the best trial that fits 999 GiB; ...\n{{}}\n")
+    mine = {folder / "best" / "mine.yaml": "# my notes on this study\nname: mine\n",
+            folder / "pareto" / "99.yaml": "name: my_own_tier\n"}
+    for path, text in mine.items():
+        path.write_text(text)
+    study = load_study(folder, "search")
+    index = outputs.write(study, ["maximize", "minimize"], folder, load_config(two["config"]), "cpu")
+    assert not stale.exists()
+    assert all(path.read_text() == text for path, text in mine.items())
+    assert sorted(p.name for p in (folder / "best").glob("*gib.yaml")) == sorted(
+        Path(b["preset"]).name for b in index["budgets"] if b.get("preset"))
+
+
 def test_two_objectives_write_the_pareto_front_and_each_budgets_best(two):
     folder = two["folder"]
     rows = trials_csv(folder)

@@ -83,12 +83,23 @@ def _write_preset(folder: Path, trial: FrozenTrial, path: Path, why: str) -> Non
                      f"{trial.values[0]:.3f} dB, booked {booking(trial) / GIB:.3f} GiB\n" + source.read_text())
 
 
-def _replace_folder(folder: Path, keep: set[str]) -> None:
-    """Drop the presets of an earlier write that the study no longer selects."""
+def _replace_folder(folder: Path, keep: set[str], study: str) -> None:
+    """Drop the presets of an earlier write that the study no longer selects: only files this
+    writer wrote (their first line names a trial of `study`, `_write_preset`); anything else in
+    the folder is the user's and stays."""
     if folder.is_dir():
         for path in folder.glob("*.yaml"):
-            if path.name not in keep:
+            if path.name not in keep and _written_here(path, study):
                 path.unlink()
+
+
+def _written_here(path: Path, study: str) -> bool:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            first = f.readline(512)
+    except OSError:
+        return False
+    return first.startswith("# trial ") and f" of study {study}: " in first
 
 
 def write(study: optuna.Study, objectives: list[str], folder: Path, cfg: dict, device: str) -> dict:
@@ -114,7 +125,7 @@ def write(study: optuna.Study, objectives: list[str], folder: Path, cfg: dict, d
             kept.add(name)
             item.update(entry(chosen, folder), preset=f"best/{name}")
         index["budgets"].append(item)
-    _replace_folder(folder / "best", kept)
+    _replace_folder(folder / "best", kept, folder.name)
     kept = set()
     if len(objectives) == 2:
         for trial in pareto(trials):
@@ -122,7 +133,7 @@ def write(study: optuna.Study, objectives: list[str], folder: Path, cfg: dict, d
             _write_preset(folder, trial, folder / "pareto" / name, "on the Pareto front")
             kept.add(name)
             index["pareto"].append({**entry(trial, folder), "preset": f"pareto/{name}"})
-    _replace_folder(folder / "pareto", kept)
+    _replace_folder(folder / "pareto", kept, folder.name)
     write_json(folder / INDEX, index)
     return index
 
