@@ -26,9 +26,11 @@ RTOL, ATOL = 1e-4, 1e-4
 # of an update. 5e-4 (0.1 lr) is 3.7x that and 130x below the half-data difference; one Adam step
 # too many (stepping per micro-batch) moves weights by about lr.
 ACCUM_ATOL = 5e-4
-# fp16 (2 ranks x 1 against 1 x 2, 5 steps, one skipped, 2026-11-27): losses within 3e-6 relative,
-# weights within 1.57e-3 (rms 2.7e-5) as fp16 rounds the two layouts' sums apart. 1e-4 and 5e-3 are
-# 30x and 3.2x those, and 14x below the half-data difference.
+# fp16 (2 ranks x 1 against 1 x 2, one step skipped, 2026-11-27): over 5 steps the losses were within
+# 3e-6 relative and the weights within 1.57e-3 (rms 2.7e-5), as fp16 rounds the two layouts' sums
+# apart; over the test's 3 steps, the losses equal to metrics.csv's 6 digits and the weights within
+# 1.02e-3 (rms 2.5e-5). 1e-4 and 5e-3 are 30x and 3.2x the 5-step figures, and 14x below the
+# half-data difference.
 FP16_LOSS_RTOL, FP16_ATOL = 1e-4, 5e-3
 
 
@@ -164,26 +166,26 @@ def test_accumulation_across_ranks_trains_what_one_process_trains(ws, tmp_path):
 
 def test_one_ranks_fp16_overflow_skips_the_step_on_every_rank(ws, tmp_path):
     """fp16 on two ranks (issue 31), against one process with micro-batch 2. Rank 1's mixture alone is
-    inf at the third step (TIERSEP_INJECT_INF=2@1); rank 0's is finite. DistributedDataParallel
+    inf at the second step (TIERSEP_INJECT_INF=1@1); rank 0's is finite. DistributedDataParallel
     averages the gradients in backward, so both ranks unscale the same non-finite gradients: both
     skip that step, halve their scale, and train on in step with the single process, whose whole
-    mixture was inf at that step."""
+    mixture was inf at that step. Three steps: a CPU's fp16 kernels take about 12 s a step here."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["--set", "train.steps=5", "--set", "train.precision=fp16"]
-    single = train(ws, one, *common, "--set", "train.batch_size=2", env={"TIERSEP_INJECT_INF": "2"})
+    common = ["--set", "train.steps=3", "--set", "train.precision=fp16"]
+    single = train(ws, one, *common, "--set", "train.batch_size=2", env={"TIERSEP_INJECT_INF": "1"})
     assert single.returncode == 0, single.stderr[-3000:]
     ranks = train(ws, two, *common, "--set", "train.ranks=2",
-                  env={"TIERSEP_INJECT_INF": "2@1", "TIERSEP_TRACE_SEGMENTS": str(tmp_path / "two.jsonl")})
+                  env={"TIERSEP_INJECT_INF": "1@1", "TIERSEP_TRACE_SEGMENTS": str(tmp_path / "two.jsonl")})
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     poisoned = {(row["rank"], row["step"]) for row in map(json.loads, (tmp_path / "two.jsonl").read_text().splitlines())
                 if not all(map(math.isfinite, row["sums"]))}
-    assert poisoned == {(1, 2)}     # rank 0 trained on finite data at every step
+    assert poisoned == {(1, 1)}     # rank 0 trained on finite data at every step
 
     rows, rows1 = metrics_rows(two), metrics_rows(one)
-    assert [r["skipped"] for r in rows] == [r["skipped"] for r in rows1] == ["0", "0", "1", "1", "1"]
-    assert [float(r["scale"]) for r in rows] == [2.0 ** 16] * 2 + [2.0 ** 15] * 3
-    assert rows[2]["loss"] == "nan"
-    for row, row1 in zip(rows[:2] + rows[3:], rows1[:2] + rows1[3:], strict=True):
+    assert [r["skipped"] for r in rows] == [r["skipped"] for r in rows1] == ["0", "1", "1"]
+    assert [float(r["scale"]) for r in rows] == [2.0 ** 16] + [2.0 ** 15] * 2
+    assert rows[1]["loss"] == "nan"
+    for row, row1 in zip(rows[::2], rows1[::2], strict=True):
         assert float(row["loss"]) == pytest.approx(float(row1["loss"]), rel=FP16_LOSS_RTOL)
     run = json.loads((two / "run.json").read_text())
     assert run["loss_scaler"] == {"scale": 2.0 ** 15, "skipped_steps": 1}
