@@ -184,13 +184,13 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
             named = "--method measure" if args.method else f"{cfg.get('_source', 'config')}: estimate.method: measure"
             raise C.ConfigError(f"{named} on device cuda needs a GPU, and torch sees none (use --method "
                                 "trace or analytic, which model cuda without one, or --device cpu)")
-    card, calibration_spec, budget = gpu_target(cfg, args, device)
+    card, calibration_spec, budget = estimate_target(cfg, args, device)
     settings = GateSettings.from_config(cfg, calibration_spec)
     record = estimate(
         preset,
         method=method,
         device=device,
-        budget_bytes=budget if card is not None else estimate_budget(cfg, device, args.budget),
+        budget_bytes=budget,
         safety_margin=settings.safety_margin,
         calibration_spec=settings.calibration_spec,
         gpu=card,
@@ -201,8 +201,7 @@ def _estimate_one(args, cfg, name: str, out: str) -> None:
     gib = record["peak_bytes"] / 2**30
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
     per_rank = f" per rank of {record['ranks']}" if record.get("ranks", 1) > 1 else ""
-    on = f", {record['gpu']['model']}" if record.get("gpu") and record["gpu"].get("name") else ""
-    print(f"{preset['name']}: peak {gib:.2f} GiB{per_rank} ({record['method']}, {record['device']}{on}, "
+    print(f"{preset['name']}: peak {gib:.2f} GiB{per_rank} ({record['method']}, {record['device']}{on_card(record)}, "
           f"{record['precision']}, {record['attention_backend']} attention) -> {verdict}; wrote {out}")
 
 
@@ -219,6 +218,19 @@ def gpu_target(cfg: dict, args, device: str):
     card = gpu_catalogue.required(args.gpu, "--gpu")
     budget = C.budget_bytes(cfg, args.budget) if args.budget is not None else card.memory_bytes
     return card, args.calibration or calibration_for(card), budget
+
+
+def estimate_target(cfg: dict, args, device: str):
+    """`gpu_target` for an estimate (training or separation): without --gpu, the budget is the one
+    `estimate_budget` judges against."""
+    card, calibration_spec, budget = gpu_target(cfg, args, device)
+    return card, calibration_spec, budget if card is not None else estimate_budget(cfg, device, args.budget)
+
+
+def on_card(record: dict) -> str:
+    """", <model>" of the catalogue card an estimate record models ("" for none, or any sm80+ card)."""
+    gpu = record.get("gpu") or {}
+    return f", {gpu['model']}" if gpu.get("name") else ""
 
 
 def cmd_fit(args, cfg):
@@ -358,17 +370,15 @@ def cmd_estimate_inference(args, cfg):
     rate = preset["audio"]["sample_rate"]
     seconds = args.chunk if args.chunk is not None else cfg["separate"]["chunk_seconds"]
     chunk = max(preset["audio"]["n_fft"], int(round(seconds * rate)))
-    card, calibration_spec, budget = gpu_target(cfg, args, device)
+    card, calibration_spec, budget = estimate_target(cfg, args, device)
     settings = GateSettings.from_config(cfg, calibration_spec)
-    record = estimate_inference(preset, device, chunk, args.batch or 1,
-                                budget_bytes=budget if card is not None else estimate_budget(cfg, device, args.budget),
+    record = estimate_inference(preset, device, chunk, args.batch or 1, budget_bytes=budget,
                                 safety_margin=settings.safety_margin, calibration_spec=settings.calibration_spec,
                                 gpu=card)
     write_json(args.out, validate_record("estimate", record, args.out))
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no budget"}[record["fits"]]
-    on = f", {record['gpu']['model']}" if record.get("gpu") and record["gpu"].get("name") else ""
     print(f"{preset['name']}: separation of {chunk / rate:g} s chunks x {record['batch']}: "
-          f"{record['gate_required_bytes'] / 2**30:.2f} GiB booked ({record['device']}{on}, {record['precision']}, "
+          f"{record['gate_required_bytes'] / 2**30:.2f} GiB booked ({record['device']}{on_card(record)}, {record['precision']}, "
           f"{record['attention_backend']} attention) -> {verdict}; wrote {args.out}")
     return 0
 
