@@ -434,7 +434,7 @@ def run_plan(jobs: list[dict], folder: Path, budget: float) -> list[dict]:
     start, reports = time.time(), []
     for job in jobs:
         left = budget - (time.time() - start)
-        report = {k: job[k] for k in ("name", "kind", "mode")}
+        report = {k: job[k] for k in ("name", "kind", "mode", "preset", "set")}
         if job["dry_run"] and job["kind"] == "compiled" and not job.get("dry_compile"):
             reports.append(dict(report, status="skipped", why="dry run: inductor's compile is left out "
                                 "(--dry-compile includes it)", seconds=0.0))

@@ -154,3 +154,16 @@ def test_the_shipped_evidence_books_only_out_of_sample_errors():
         errors = [c["out_of_sample_error"] for c in entry["configurations"] if c["out_of_sample_error"] is not None]
         assert entry["uncertainty"] == (accuracy.uncertainty_of_errors(errors) if errors
                                         else accuracy.NO_EVIDENCE_UNCERTAINTY)
+
+
+def test_leaving_a_configuration_out_leaves_out_its_twin_on_another_card():
+    """The same configuration measured on two cards (an H100 and an H200 read -5.66% and -5.67%) is
+    one configuration: judged out of sample, its twin must not book the uncertainty that covers it."""
+    from tiersep.memory import evidence
+
+    twins = [("bf16 math b2", -0.0566), ("bf16 math b2", -0.0567), ("bf16 math", -0.0072)]
+    loo = evidence.leave_one_out(twins)
+    assert loo["covered"] == 1 and loo["of"] == 3          # only the -0.72% row, against the twins' 5.7%
+    assert loo["worst_gap"] == pytest.approx(0.0567 - accuracy.TARGET, abs=1e-5)
+    # as two independent configurations, each twin would have covered the other
+    assert evidence.leave_one_out([("a", -0.0566), ("b", -0.0567), ("c", -0.0072)])["covered"] == 3
