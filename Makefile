@@ -7,6 +7,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 SNAKEMAKE_ARGS ?= --cores 1 --resources gpu=1
 PYTEST_ARGS ?=
+# The suite runs on two pytest workers, one test file at a time each (a file's module fixtures are
+# built once); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test setup setup-test system-deps test-system-deps report clean
 
@@ -21,7 +24,7 @@ report: setup
 	$(BIN)/snakemake report $(SNAKEMAKE_ARGS)
 
 test: setup-test
-	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 setup: system-deps $(VENV)/.installed
 

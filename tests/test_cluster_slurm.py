@@ -4,6 +4,10 @@ A session fixture starts munged, slurmctld and slurmd by hand (tests/slurm/start
 with one fake GPU (gres.conf: File=/dev/null) and no accounting database, and stops them by pid
 at the end (tests/slurm/stop.sh). The test is skipped, with the reason, when the Debian packages
 are missing: apt-get install -y slurmctld slurmd slurm-client munge
+
+Every test that uses the test cluster lives in this file: `make test` runs the files on two pytest
+workers, one file per worker (--dist loadfile), and a second cluster started by the other worker
+would replace /etc/slurm/slurm.conf under the first.
 """
 from __future__ import annotations
 
@@ -146,3 +150,65 @@ def test_a_two_rank_cpu_tier_trains_in_one_sbatch_job(slurm_cluster, tmp_path):
     assert len(train_jobs) == 1
     record = _scontrol_job(int(train_jobs[0]), slurm_cluster)
     assert record["JobState"] == "COMPLETED" and record["NumNodes"] == "1", record
+
+
+# ---- the SLURM test cluster: one study in PostgreSQL, every trial its own SLURM job ------------
+
+from test_search_hosts import postgres, study_of  # noqa: E402,F401,F811  (its PostgreSQL server, per module)
+from test_search_support import trials_csv  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_slurm_test_cluster_runs_a_four_trial_study_with_each_trial_a_slurm_job(slurm_cluster, postgres,
+                                                                                      tmp_path):
+    import re
+
+    import yaml
+
+    from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+    from test_search_support import BASE_TRAIN
+    from test_train_support import CPU_TINY_FILE
+
+    workdir = copy_workflow(tmp_path / "wf")
+    base = yaml.safe_load(open(CPU_TINY_FILE))
+    base.update(name="search_base")
+    base["audio"]["segment_samples"] = 4000
+    base["train"].update(BASE_TRAIN, device="cpu")   # a CPU study: its trial jobs hold no GPU
+    (workdir / "tests" / "configs" / "presets" / "search_base.yaml").write_text(yaml.safe_dump(base))
+    config = yaml.safe_load(TINY_CONFIG.read_text())
+    config["search"] = {"preset": "search_base", "trials": 4, "budget_gib": 4, "study": "slurm", "storage": postgres,
+                        "space": {"train.lr": {"low": 1.0e-4, "high": 1.0e-2, "log": True},
+                                  "model.emb_dim": {"choices": [16, 32]}}}
+    (workdir / "search.yaml").write_text(yaml.safe_dump(config))
+    started = time.monotonic()
+    # two trial jobs at once on the 2-CPU node (one thread each); the profile as users get it, with
+    # a 2 s first status check and SLURM's logs kept for the test
+    proc = run_snakemake(workdir, "--set-threads", "search_trial=1", "--profile", str(workdir / "profiles" / "slurm"),
+                         "--configfile", "search.yaml", "--slurm-init-seconds-before-status-checks", "2",
+                         "--slurm-keep-successful-logs", "search_jobs", timeout=900,
+                         env={**slurm_cluster, "OMP_NUM_THREADS": "1",
+                              "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
+    print(f"4-trial study on the test SLURM cluster: {time.monotonic() - started:.1f} s")
+    jobs = {int(m.group(1)) for m in re.finditer(
+        r"submitted with SLURM jobid (\d+) \(log: .*?/slurm_logs/rule_search_trial/", proc.stdout)}
+    assert len(jobs) == 4, proc.stdout[-4000:]
+
+    trials = study_of(postgres, "slurm").trials
+    folder = workdir / "results" / "search" / "slurm"
+    rows = trials_csv(folder)
+    assert len(trials) == 4 and len(rows) == 4, proc.stdout[-4000:]
+    assert {r["state"] for r in rows} <= {"COMPLETE", "PRUNED", "INFEASIBLE"}, rows
+    ran = [t for t in trials if "pid" in t.user_attrs]
+    assert ran, "no trial ran a process"
+    seen = set()
+    for trial in ran:
+        # the orchestrator that ran it was inside one of the search_trial jobs, one job per trial
+        job = int(trial.user_attrs["owner_slurm_job"])
+        assert job in jobs and job not in seen, (trial.number, job, jobs)
+        seen.add(job)
+        record = _scontrol_job(job, slurm_cluster)
+        assert record["JobState"] == "COMPLETED" and record["Comment"].startswith("rule_search_trial"), record
+        assert list((workdir / ".snakemake" / "slurm_logs" / "rule_search_trial").rglob(f"{job}.log"))
+        run = folder / "trials" / str(trial.number) / "run.json"
+        if run.is_file():   # a finished run records the SLURM job its trainer ran in
+            assert json.loads(run.read_text())["slurm_job_id"] == str(job)
