@@ -8,7 +8,8 @@ BIN    := $(VENV)/bin
 SNAKEMAKE_ARGS ?= --cores 1 --resources gpu=1
 PYTEST_ARGS ?=
 # The suite runs on two pytest workers, one test file at a time each (a file's module fixtures are
-# built once); TEST_WORKERS=0 runs it in one process.
+# built once), the longest files first in the order tests/conftest.py gives them
+# (--no-loadscope-reorder: not by their number of tests); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: run test setup setup-test system-deps test-system-deps report clean
@@ -24,7 +25,7 @@ report: setup
 	$(BIN)/snakemake report $(SNAKEMAKE_ARGS)
 
 test: setup-test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)
 
 setup: system-deps $(VENV)/.installed
 

@@ -84,3 +84,61 @@ def one_torch_thread():
 def single_thread():
     with one_torch_thread():
         yield
+
+
+# ---- the suite on two workers (`make test`: pytest-xdist, one file per work unit) -------------------
+# Files that share one work unit, so one worker builds their session fixture once: finished_tree is a
+# whole tiny pipeline run (73 s of setup in CI at stop 40), built per worker.
+SAME_WORKER = {"tests/test_separate_workflow.py": "tests/test_pipeline_e2e.py"}
+# Work units handed out longest first (longest-processing-time scheduling), so that the last file a
+# worker starts is a short one and the other worker is not left idle behind it. Sums of the slowest
+# tests of CI at stop 40 (`--durations`): the SLURM file ~450 s, then these; every other file after
+# them, in collection order (`--no-loadscope-reorder`).
+LONGEST_FIRST = [
+    "tests/test_cluster_slurm.py", "tests/test_ddp.py", "tests/test_pipeline_e2e.py", "tests/test_search.py",
+    "tests/test_search_report.py", "tests/test_crash_recovery.py", "tests/test_signals.py",
+    "tests/test_memory_compiled.py", "tests/test_fuzz_inputs.py", "tests/test_cluster_containers.py",
+    "tests/test_memory_estimate.py", "tests/test_search_packing.py", "tests/test_fit_matrix.py",
+    "tests/test_gpu_generations.py", "tests/test_train_safety.py", "tests/test_model_compile.py",
+    "tests/test_memory_cpu_process.py", "tests/test_search_space.py", "tests/test_memory_gpu_evidence.py",
+]
+
+
+def work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SAME_WORKER.get(path, path)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))   # stable: file order kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return Scheduling(config, log)
+
+
+_seconds_by_file: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _seconds_by_file[path] = _seconds_by_file.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest files (setup, call and teardown summed): what LONGEST_FIRST is ordered by."""
+    slowest = sorted(_seconds_by_file.items(), key=lambda kv: -kv[1])[:25]
+    if slowest:
+        terminalreporter.write_sep("=", "slowest 25 files (s)")
+        for path, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:8.1f}  {path}")
