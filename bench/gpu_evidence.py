@@ -99,6 +99,23 @@ DTYPE_CLASSES = [
     ("held-out large fp16 ckpt 1s", "large", {**FP16, **CKPT, "audio.segment_samples": 44032, "train.grad_accum": 1},
      "measure", "native"),
     ("held-out ultra_safe fp32 ckpt", "ultra_safe", {**FP32, **CKPT, "train.grad_accum": 1}, "measure", "expandable"),
+    # the fourth run of 2026-11-27: one row for each eager Hopper class that still had none (kernel x
+    # dtype x checkpointing x allocator). small's efficient 16-bit rows keep six heads (head dim 8);
+    # ultra_safe (96 / 4 = 24) and memory_optimized (128 / 8 = 16) run it with their own heads.
+    ("held-out small fp16 ckpt b2", "small", {**FP16, **CKPT, "train.batch_size": 2}, "measure", "expandable"),
+    ("held-out ultra_safe bf16 efficient", "ultra_safe", {**EFF, "train.grad_accum": 1}, "measure", "expandable"),
+    ("held-out small bf16 efficient 6h ckpt", "small", {**EFF, **CKPT, "model.n_heads": 6}, "measure", "native"),
+    ("held-out memory_optimized bf16 efficient ckpt", "memory_optimized", {**EFF, **CKPT}, "measure", "expandable"),
+    ("held-out small fp16 efficient 6h b2", "small", {**FP16, **EFF, "model.n_heads": 6, "train.batch_size": 2},
+     "measure", "expandable"),
+    ("held-out ultra_safe fp16 efficient ckpt", "ultra_safe", {**FP16, **EFF, **CKPT, "train.grad_accum": 1},
+     "measure", "native"),
+    ("held-out small bf16 math ckpt", "small", {**MATH, **CKPT}, "measure", "native"),
+    ("held-out small bf16 math ckpt b2", "small", {**MATH, **CKPT, "train.batch_size": 2}, "measure", "expandable"),
+    ("held-out small fp16 math ckpt b2", "small", {**FP16, **MATH, **CKPT, "train.batch_size": 2}, "measure",
+     "native"),
+    ("held-out small fp16 math ckpt", "small", {**FP16, **MATH, **CKPT}, "measure", "expandable"),
+    ("held-out small fp32 math ckpt", "small", {**FP32, **MATH, **CKPT}, "measure", "native"),
 ]
 JOBS = HELD_OUT + DTYPE_CLASSES + [
     ("calibrate", None, {}, "calibrate", "native"),
