@@ -333,6 +333,31 @@ def test_softmax_backward_holds_grad_times_output_while_it_runs():
         (-1, n, "<softmax backward grad * output>")]
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_safe_softmax_books_what_the_allocator_serves_its_composite(transposed):
+    """at::_safe_softmax is CompositeExplicitAutograd on every device in torch 2.11, so the CPU
+    allocator's own events of a real call (torch.profiler, profile_memory) are an independent
+    reference for what its CUDA plan books: one full-size output, filled in place; the plan of an
+    older composite (a second full-size tensor from where()) read 14-17% under on checkpointed math
+    attention rows of the H200 (tests/data/gpu/h200-2026-11-27)."""
+    x = torch.randn(8, 256, 128)
+    x = x.transpose(0, 1) if transposed else x
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = torch._safe_softmax(x, -1)
+    served = [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                                   if e.name() == "[memory]" and e.nbytes())]
+    sizes, booked = {}, []
+    for step in CudaKernelMemory(0)._safe_softmax(torch.ops.aten._safe_softmax.default, (x, -1), {}, [y]):
+        if step[0] == "out":
+            booked.append(y.untyped_storage().nbytes())
+        elif step[0] == "alloc":
+            sizes[step[1]] = step[2]
+            booked.append(step[2])
+        else:
+            booked.append(-sizes[step[1]])
+    assert booked == served
+
+
 def test_bmm_copies_only_the_operands_cublas_cannot_take():
     """baddbmm_out_cuda_impl (cuda/Blas.cpp): a batch matrix with a unit stride and a wide enough
     leading dimension goes to cuBLAS as it is (a transpose is a flag); one with neither is cloned

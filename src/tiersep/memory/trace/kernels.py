@@ -226,21 +226,22 @@ class CudaKernelMemory:
 
     @staticmethod
     def _safe_softmax(func, args, kwargs, outputs):
-        """at::_safe_softmax (the math SDPA path) is composite below autograd: softmax, then
-        where(all(self == -inf, dim), 0, softmax), all of it alive until the where returns."""
+        """at::_safe_softmax (the math SDPA path) is composite below autograd (torch 2.11): softmax's
+        output, then isneginf(self), all() of it over `dim` and a zero scalar, with which the
+        output is filled in place where a row is all -inf. One full-size tensor: the output (the
+        CPU allocator's own events of this composite, an ad hoc check: 33554432, 8388608, 8192 and
+        4 bytes for an [8, 1024, 1024] fp32 input; a non-contiguous input adds softmax's copy)."""
         x, y = args[0], outputs[0]
         rows = list(x.shape)
         rows[args[1] % x.dim()] = 1
-        plan = [("alloc", "softmax", _nbytes(y), "<softmax>")]
+        plan = [("out", 0)]
         if not x.is_contiguous():   # host_softmax: input.contiguous()
             plan += [("alloc", "softmax input", _nbytes(x), "<softmax: contiguous input>"),
                      ("free", "softmax input")]
-        plan += [("alloc", "-inf", 4, "<scalar>"),
-                ("alloc", "masked", x.numel(), "<softmax: self == -inf>"),
-                ("alloc", "masked rows", math.prod(rows), "<softmax: masked rows>"),
-                ("alloc", "zero", y.element_size(), "<scalar>"),
-                ("out", 0)]
-        return plan + [("free", name) for name in ("zero", "masked rows", "masked", "-inf", "softmax")]
+        plan += [("alloc", "masked", x.numel(), "<softmax: isneginf(self)>"),
+                 ("alloc", "masked rows", math.prod(rows), "<softmax: masked rows>"),
+                 ("alloc", "zero", y.element_size(), "<scalar>")]
+        return plan + [("free", name) for name in ("zero", "masked rows", "masked")]
 
     def _softmax(self, func, args, kwargs, outputs):
         """softmax_cuda_out / log_softmax_cuda_out (cuda/SoftMax.cu host_softmax): the output is
