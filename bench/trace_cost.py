@@ -1,6 +1,6 @@
 """Where a fit matrix's time goes: the cost of one trace, by tier, by lever and by depth.
 
-    python bench/trace_cost.py [--presets xlarge large] [--layers 1 2 4 8 12] [--rows]
+    python bench/trace_cost.py [--presets xlarge large] [--layers 1 2 4 8 12] [--rows] [--traces TIER]
 
 Prints Markdown, three tables (each trace run after a warm-up trace of the same preset, in this
 process, one torch thread as the matrix's workers use):
@@ -12,7 +12,10 @@ process, one torch thread as the matrix's workers use):
 3. with --rows: each tier's row of `tiersep fit --gpus catalogue` (memory/fit/matrix.row) timed
    alone, its traces and seconds. The matrix runs tiers in --jobs worker processes, so its wall
    time is at least its slowest row's.
-4. with --diff TIER: how the timeline of TIER (checkpointed, micro-batch 1, a 1 s segment) with 3
+4. with --traces TIER: every trace of TIER's catalogue row, in order: the GPU whose cell asked for
+   it, the variant, and its seconds of record_step and summarize; then what the row spent besides.
+   Whether a faster matrix could run fewer traces, or must run cheaper ones.
+5. with --diff TIER: how the timeline of TIER (checkpointed, micro-batch 1, a 1 s segment) with 3
    blocks differs from the one with 2, event by event ((alloc|free, op, bytes, phase) compared with
    difflib): what a trace of few blocks would have to insert to stand for a deeper one.
 """
@@ -75,13 +78,66 @@ def block_diff(preset: dict, blocks: int = 2) -> list[str]:
     return rows
 
 
+def row_traces(preset: dict, cfg: dict) -> list[str]:
+    """Table rows: each trace `memory/fit/matrix.row` runs for `preset` against the catalogue (the
+    cell that asked for it, the variant, record_step and summarize seconds), then the row's total."""
+    import importlib
+
+    from tiersep import gpu_catalogue
+    from tiersep.memory.fit import matrix
+    from tiersep.memory.fit.settings import GateSettings
+    from tiersep.memory.trace import step
+
+    search = importlib.import_module("tiersep.memory.fit.search")   # the package exports a fit() of that name
+    seconds, asking, rows = {}, {}, []
+    originals = step.record_step, step.summarize, search.estimate, matrix.settings_for
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+        return run
+
+    def estimate(variant, *args, **kwargs):
+        seconds.clear()
+        record = originals[2](variant, *args, **kwargs)
+        a, t = variant["audio"], variant["train"]
+        rows.append(f"| {len(rows) + 1} | {asking['gpu']} | {a['segment_samples'] / a['sample_rate']:.2f} s, "
+                    f"{t['precision']}, {'ckpt' if variant['model']['checkpointing'] else 'no ckpt'}, "
+                    f"{t['batch_size']}x{t['grad_accum']} | {record['peak_bytes'] / 2**30:.2f} | "
+                    f"{seconds.get('record', 0):.2f} | {seconds.get('summarize', 0):.2f} |")
+        return record
+
+    def settings_for(budget, settings):   # row() asks it first for each budget, before that budget's traces
+        asking["gpu"] = budget.label
+        return originals[3](budget, settings)
+
+    step.record_step, step.summarize = timed("record", step.record_step), timed("summarize", step.summarize)
+    search.estimate, matrix.settings_for = estimate, settings_for
+    try:
+        budgets = matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
+        start = time.perf_counter()
+        matrix.row(preset["name"], preset, budgets, GateSettings.from_config(cfg))
+        total = time.perf_counter() - start
+    finally:
+        step.record_step, step.summarize, search.estimate, matrix.settings_for = originals
+    spent = [float(r.split("|")[5]) + float(r.split("|")[6]) for r in rows]
+    return (["| trace | asked by | variant | peak GiB | record_step s | summarize s |", "|---:|---|---|---:|---:|---:|"]
+            + rows + [f"\n{len(rows)} traces, {total:.1f} s: record_step and summarize {sum(spent):.1f} s, "
+                      f"the rest {total - sum(spent):.1f} s."])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=SEEDS)
-    parser.add_argument("--layers", nargs="+", type=int, default=[1, 2, 4, 8, 12])
+    parser.add_argument("--presets", nargs="*", default=SEEDS, help="table 1's tiers (none: no table 1)")
+    parser.add_argument("--layers", nargs="*", type=int, default=[1, 2, 4, 8, 12], help="table 2's depths (none: no table 2)")
     parser.add_argument("--depth-of", default="xlarge", help="the tier whose depth is varied (table 2)")
     parser.add_argument("--rows", action="store_true", help="time each tier's catalogue row (minutes)")
-    parser.add_argument("--diff", metavar="TIER", help="diff TIER's 2- and 3-block timelines (table 4)")
+    parser.add_argument("--diff", metavar="TIER", help="diff TIER's 2- and 3-block timelines (table 5)")
+    parser.add_argument("--traces", metavar="TIER", help="each trace of TIER's catalogue row (table 4)")
     args = parser.parse_args()
     import torch
 
@@ -94,8 +150,9 @@ def main() -> int:
     print("# What one trace costs (bench/trace_cost.py)\n")
     print(f"{time.strftime('%Y-%m-%d')}: {cpu}, torch {torch.__version__}, Python {platform.python_version()}, "
           "one torch thread.\n")
-    print("| tier | layers | variant | events | record_step s | summarize s |")
-    print("|---|---:|---|---:|---:|---:|")
+    if args.presets:
+        print("| tier | layers | variant | events | record_step s | summarize s |")
+        print("|---|---:|---|---:|---:|---:|")
     for name in args.presets:
         preset = C.load_preset(name, cfg)
         timed_trace(preset)   # warm-up: imports, first-call caches
@@ -103,11 +160,11 @@ def main() -> int:
             events, rec_s, sum_s = timed_trace(variant)
             print(f"| {name} | {preset['model']['n_layers']} | {label} | {events} | {rec_s:.2f} | {sum_s:.2f} |")
 
-    base = frugal(C.load_preset(args.depth_of, cfg))
-    print(f"\n{args.depth_of}, frugal, with model.n_layers set:\n")
-    print("| n_layers | events | events added per layer | record_step s | summarize s |")
-    print("|---:|---:|---:|---:|---:|")
-    last = None
+    if args.layers:
+        print(f"\n{args.depth_of}, frugal, with model.n_layers set:\n")
+        print("| n_layers | events | events added per layer | record_step s | summarize s |")
+        print("|---:|---:|---:|---:|---:|")
+    base, last = frugal(C.load_preset(args.depth_of, cfg)), None
     for layers in args.layers:
         variant = copy.deepcopy(base)
         variant["model"]["n_layers"] = layers
@@ -122,6 +179,10 @@ def main() -> int:
         preset["audio"]["segment_samples"] = preset["audio"]["sample_rate"]
         print(f"\n{args.diff} (checkpointed, micro-batch 1, 1 s), 3 blocks against 2:\n")
         print("\n".join(block_diff(preset)))
+
+    if args.traces:
+        print(f"\nEvery trace of {args.traces}'s row against the whole catalogue, in order:\n")
+        print("\n".join(row_traces(C.load_preset(args.traces, cfg), cfg)))
 
     if args.rows:
         from tiersep import gpu_catalogue
