@@ -49,7 +49,7 @@ def test_a_class_without_evidence_is_booked_conservatively_and_says_so():
     preset = C.set_field(C.load_preset("cpu_tiny"), "model.attention_backend", "math")   # math, expandable
     preset = C.set_field(preset, "model.checkpointing", True)
     preset = C.set_field(preset, "train.precision", "fp16")          # math fp16 checkpointed
-    # Hopper has measured it since the H200's fourth run of 2026-11-27 (+3.5% device use); no Ampere card has
+    # Hopper has measured it since the H200's fourth run of 2026-11-27 (+0.02% device use); no Ampere card has
     hopper = estimate(preset, "trace", "cuda", calibration_spec="NVIDIA H100 80GB HBM3")
     assert accuracy.has_evidence(hopper["uncertainty_class"]) and hopper["uncertainty"] == accuracy.TARGET
     math = estimate(preset, "trace", "cuda", gpu="a100-80gb")
