@@ -35,19 +35,23 @@ def allocator_profile():
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 
+def allocator_changes(prof) -> list[tuple[int, int]]:
+    """The CPU allocator's allocations (+bytes) and frees (-bytes) in `prof`, in time order:
+    [(ns, bytes)]."""
+    return sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch.profiler.DeviceType.CPU)
+
+
 def running_peak(prof, window: str | None = None) -> int:
     """The highest running sum of the allocator's events in `prof` (bytes above what was live when
     profiling began); with `window`, only over the record_function block of that name (the sum at
     its start included)."""
-    events = list(prof.profiler.kineto_results.events())
     start, end = 0, float("inf")
     if window is not None:
-        (block,) = [e for e in events if e.name() == window]
+        (block,) = [e for e in prof.profiler.kineto_results.events() if e.name() == window]
         start, end = block.start_ns(), block.end_ns()
-    changes = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and e.device_type() == torch.profiler.DeviceType.CPU)
     live = peak = 0
-    for when, nbytes in changes:
+    for when, nbytes in allocator_changes(prof):
         if when > end:
             break
         live += nbytes

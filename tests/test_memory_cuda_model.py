@@ -340,12 +340,13 @@ def test_safe_softmax_books_what_the_allocator_serves_its_composite(transposed):
     reference for what its CUDA plan books: one full-size output, filled in place; the plan of an
     older composite (a second full-size tensor from where()) read 14-17% under on checkpointed math
     attention rows of the H200 (tests/data/gpu/h200-2026-11-27)."""
+    from memory_reference import allocator_changes, allocator_profile
+
     x = torch.randn(8, 256, 128)
     x = x.transpose(0, 1) if transposed else x
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocator_profile() as prof:
         y = torch._safe_softmax(x, -1)
-    served = [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                                   if e.name() == "[memory]" and e.nbytes())]
+    served = [n for _, n in allocator_changes(prof) if n]
     sizes, booked = {}, []
     for step in CudaKernelMemory(0)._safe_softmax(torch.ops.aten._safe_softmax.default, (x, -1), {}, [y]):
         if step[0] == "out":
