@@ -89,7 +89,7 @@ def row_traces(preset: dict, cfg: dict) -> list[str]:
     from tiersep.memory.trace import step
 
     search = importlib.import_module("tiersep.memory.fit.search")   # the package exports a fit() of that name
-    seconds, asking, rows = {}, {}, []
+    seconds, asking, rows, traced = {}, {}, [], []
     originals = step.record_step, step.summarize, search.estimate, matrix.settings_for
 
     def timed(name, fn):
@@ -105,6 +105,7 @@ def row_traces(preset: dict, cfg: dict) -> list[str]:
         seconds.clear()
         record = originals[2](variant, *args, **kwargs)
         a, t = variant["audio"], variant["train"]
+        traced.append(seconds.get("record", 0) + seconds.get("summarize", 0))
         rows.append(f"| {len(rows) + 1} | {asking['gpu']} | {a['segment_samples'] / a['sample_rate']:.2f} s, "
                     f"{t['precision']}, {'ckpt' if variant['model']['checkpointing'] else 'no ckpt'}, "
                     f"{t['batch_size']}x{t['grad_accum']} | {record['peak_bytes'] / 2**30:.2f} | "
@@ -124,10 +125,9 @@ def row_traces(preset: dict, cfg: dict) -> list[str]:
         total = time.perf_counter() - start
     finally:
         step.record_step, step.summarize, search.estimate, matrix.settings_for = originals
-    spent = [float(r.split("|")[5]) + float(r.split("|")[6]) for r in rows]
     return (["| trace | asked by | variant | peak GiB | record_step s | summarize s |", "|---:|---|---|---:|---:|---:|"]
-            + rows + [f"\n{len(rows)} traces, {total:.1f} s: record_step and summarize {sum(spent):.1f} s, "
-                      f"the rest {total - sum(spent):.1f} s."])
+            + rows + [f"\n{len(rows)} traces, {total:.1f} s: record_step and summarize {sum(traced):.1f} s, "
+                      f"the rest {total - sum(traced):.1f} s."])
 
 
 def main() -> int:
