@@ -131,20 +131,23 @@ def test_pruner_stops_a_deliberately_bad_trial_early_and_it_exits_cleanly(ws):
     from optuna.storages.journal import JournalFileBackend
 
     config = write_search_config(ws, "prune", trials=3, pruner="median", budget_gib=ws["budget_gib"],
-                                 space={"train.lr": {"choices": [5.0e-3, 1.0e-9]}})
+                                 space={"train.lr": {"choices": [5.0e-3, 1.0e-9]},
+                                        "train.steps": {"choices": [12, 400]}})
     folder = ws["root"] / "results-prune" / "search" / "search"
     folder.mkdir(parents=True)
-    # two good trials first, then one that cannot learn (lr 1e-9): Optuna's own enqueue
+    # two good trials first, then one that cannot learn (lr 1e-9): Optuna's own enqueue. The bad
+    # one is given 400 steps: at ~15 steps/s its 12 would end within one 0.5 s poll of step 4, and a
+    # run that finished before the signal stands (CI lost that race once)
     study = optuna.create_study(study_name="search", direction="maximize",
                                 storage=JournalStorage(JournalFileBackend(str(folder / "journal.log"))))
-    for lr in (5.0e-3, 5.0e-3, 1.0e-9):
-        study.enqueue_trial({"train.lr": lr})
+    for lr, steps in ((5.0e-3, 12), (5.0e-3, 12), (1.0e-9, 400)):
+        study.enqueue_trial({"train.lr": lr, "train.steps": steps})
     done = search(config)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = trials_csv(folder)
     assert [r["state"] for r in rows] == ["COMPLETE", "COMPLETE", "PRUNED"], rows
     bad = rows[2]
-    assert bad["reason"] == "pruned at step 4" and int(bad["steps"]) < 12
+    assert bad["reason"] == "pruned at step 4" and int(bad["steps"]) < 400
     trial = load_study(folder, "search").trials[2]
     assert trial.user_attrs["exit_code"] == 75   # the trainer's checkpoint-and-exit on SIGUSR1
     run_dir = folder / "trials" / "2"

@@ -112,10 +112,14 @@ def one(ws):
     config = write_search_config(ws, "one", trials=4, parallel=1, pruner="median", budget_gib=budget,
                                  evaluate=True,
                                  on_oversize="skip", space={"train.lr": {"choices": [5.0e-3, 1.0e-9]},
-                                                            "train.batch_size": {"choices": [2, 16]}})
+                                                            "train.batch_size": {"choices": [2, 16]},
+                                                            "train.steps": {"choices": [12, 400]}})
     folder = ws["root"] / "results-one" / "search" / "search"
-    enqueue(folder, ["maximize"], [{"train.lr": lr, "train.batch_size": bs}
-                                   for lr, bs in ((5.0e-3, 2), (5.0e-3, 2), (1.0e-9, 2), (5.0e-3, 16))])
+    # the bad trial gets 400 steps: its 12 could end within one poll of step 4, and a run that
+    # finished before the pruner's signal stands (tests/test_search.py's pruner test lost that race)
+    enqueue(folder, ["maximize"], [{"train.lr": lr, "train.batch_size": bs, "train.steps": steps}
+                                   for lr, bs, steps in ((5.0e-3, 2, 12), (5.0e-3, 2, 12), (1.0e-9, 2, 400),
+                                                         (5.0e-3, 16, 12))])
     done = search(config)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["state"] for r in trials_csv(folder)] == ["COMPLETE", "COMPLETE", "PRUNED", "INFEASIBLE"]
@@ -277,7 +281,7 @@ def test_the_search_section_shows_states_reasons_plots_and_what_packing_saved(on
         assert Image.open(stdio.BytesIO(base64.b64decode(data))).width > 300
         assert f"![{title}]({stem}.png)" in md
     assert len(re.findall(r"<img ", page)) == len(PLOTS) + len(SEARCH_PLOTS)
-    assert "## Search" in md and "| 2 | 1e-09 | 2 | PRUNED | pruned at step 4 |" in md
+    assert "## Search" in md and "| 2 | 1e-09 | 2 | 400 | PRUNED | pruned at step 4 |" in md
 
 
 def test_the_search_plots_draw_what_trials_csv_holds(one):
