@@ -28,10 +28,11 @@ def copy_workflow(dest: Path) -> Path:
 
 
 def run_snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None = None,
-                  check: bool = True) -> subprocess.CompletedProcess:
-    """Run the real snakemake CLI in `workdir`; returns the completed process (stdout+stderr)."""
+                  check: bool = True, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real snakemake CLI in `workdir` (or `program`, a command that runs it); returns the
+    completed process (stdout+stderr)."""
     full_env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
-    proc = subprocess.run([str(BIN / "snakemake"), *args], cwd=workdir, env=full_env, text=True,
+    proc = subprocess.run([*(program or [str(BIN / "snakemake")]), *args], cwd=workdir, env=full_env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
