@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import soundfile as sf
 import yaml
 
-from conftest import copy_finished, run_snakemake
+from conftest import FINISHED_CONFIG, copy_finished, run_snakemake
 
 STEMS = ["vocals", "drums", "bass", "other"]
 
@@ -16,9 +17,9 @@ STEMS = ["vocals", "drums", "bass", "other"]
 @pytest.mark.slow
 def test_the_separate_target_separates_every_song_with_every_trained_tier(finished_tree, tmp_path):
     # A copy of the session's finished tiny run (conftest.finished_tree, shared with
-    # tests/test_pipeline_e2e.py), run here on this test's own config: its prepared data is reused
-    # (the prepare job's params are the same), while estimate, train and every job below them run as
-    # from scratch, since the estimated tiers differ. Saves the config and prepare jobs (about 25 s).
+    # tests/test_pipeline_e2e.py), run on its own configs plus a `separate` section: what it trained
+    # stands, and the first run adds only the separations (the `separate` section changes no other
+    # job's inputs or params).
     work = copy_finished(finished_tree, tmp_path / "wf")
     songs = tmp_path / "my music"
     (songs / "album").mkdir(parents=True)
@@ -27,11 +28,13 @@ def test_the_separate_target_separates_every_song_with_every_trained_tier(finish
     sf.write(songs / "second.flac", 0.1 * rng.standard_normal((22050 * 3, 1)), 22050)
     (work / "separate.yaml").write_text(yaml.safe_dump(
         {"separate": {"inputs": [str(songs)], "tiers": ["test_tiny"], "chunk_seconds": 1.0, "device": "cpu"}}))
-    configs = ["--configfile", "tests/configs/tiny.yaml", "separate.yaml"]
+    configs = [*FINISHED_CONFIG, "separate.yaml"]
 
     plan = run_snakemake(work, "-n", *configs).stdout          # the default target is unchanged
     assert "separate_tier" not in plan
-    run_snakemake(work, "--cores", "1", "separate", *configs)
+    first = run_snakemake(work, "--cores", "1", "separate", *configs).stdout
+    ran = sorted(set(re.findall(r"^(?:local)?(?:rule|checkpoint) (\w+):", first, re.M)))
+    assert ran == ["separate", "separate_tier"], ran   # nothing estimated or trained again
     folder = work / "results" / "separated" / "test_tiny"
     for song, rate, channels in (("first song", 44100, 2), ("second", 22050, 1)):
         for stem in STEMS:
@@ -50,7 +53,7 @@ def test_the_separate_target_separates_every_song_with_every_trained_tier(finish
     (work / "changed.yaml").write_text(yaml.safe_dump(
         {"budget_gib": 30, "separate": {"inputs": [str(songs), str(tmp_path / "third.wav")], "tiers": ["test_tiny"],
                                         "chunk_seconds": 1.0, "device": "cpu"}}))
-    changed = ["--configfile", "tests/configs/tiny.yaml", "changed.yaml"]
+    changed = [*FINISHED_CONFIG, "changed.yaml"]
     plan = run_snakemake(work, "-n", "all", "separate", *changed).stdout
     # the jobs below the train checkpoint (separate_tier, report) join the plan once it has run
     assert "rule estimate:" in plan and "checkpoint train:" in plan and "rule config:" not in plan, plan[-3000:]
