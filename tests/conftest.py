@@ -92,16 +92,18 @@ def single_thread():
 # whole tiny pipeline run (73 s of setup in CI at stop 40), built per worker.
 SAME_WORKER = {"tests/test_separate_workflow.py": "tests/test_pipeline_e2e.py"}
 # Work units handed out longest first (longest-processing-time scheduling), so that the last file a
-# worker starts is a short one and the other worker is not left idle behind it. Sums of the slowest
-# tests of CI at stop 40 (`--durations`): the SLURM file ~450 s, then these; every other file after
-# them, in collection order (`--no-loadscope-reorder`).
+# worker starts is a short one and the other worker is not left idle behind it. Ordered by the
+# "slowest 25 files" of CI at stop 41 (DDP ~500 s, SLURM ~400 s, the e2e pair ~300 s, ...); every
+# other file after them, in collection order (`--no-loadscope-reorder`).
 LONGEST_FIRST = [
-    "tests/test_cluster_slurm.py", "tests/test_ddp.py", "tests/test_pipeline_e2e.py", "tests/test_search.py",
-    "tests/test_search_report.py", "tests/test_crash_recovery.py", "tests/test_signals.py",
-    "tests/test_memory_compiled.py", "tests/test_fuzz_inputs.py", "tests/test_cluster_containers.py",
-    "tests/test_memory_estimate.py", "tests/test_search_packing.py", "tests/test_fit_matrix.py",
-    "tests/test_gpu_generations.py", "tests/test_train_safety.py", "tests/test_model_compile.py",
-    "tests/test_memory_cpu_process.py", "tests/test_search_space.py", "tests/test_memory_gpu_evidence.py",
+    "tests/test_ddp.py", "tests/test_cluster_slurm.py", "tests/test_pipeline_e2e.py",
+    "tests/test_memory_cuda_accuracy.py", "tests/test_bad_inputs.py", "tests/test_search.py",
+    "tests/test_fuzz_inputs.py", "tests/test_separate.py", "tests/test_search_report.py",
+    "tests/test_memory_estimate.py", "tests/test_separate_faults.py", "tests/test_search_packing.py",
+    "tests/test_train_safety.py", "tests/test_signals.py", "tests/test_crash_recovery.py",
+    "tests/test_gpu_generations.py", "tests/test_memory_cpu_process.py", "tests/test_cluster_containers.py",
+    "tests/test_train_fp16.py", "tests/test_fit_matrix.py", "tests/test_memory_ranks.py", "tests/test_train.py",
+    "tests/test_prepare_safety.py", "tests/test_memory_gpu_evidence.py", "tests/test_memory_compiled.py",
 ]
 
 
