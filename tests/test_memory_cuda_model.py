@@ -7,6 +7,7 @@ fake CUDA tensors is the reference the emulation (fake CPU tensors + CudaEmulati
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,6 +292,42 @@ def test_flash_backward_allocates_as_recorded():
         events = _backward_events(lambda: fused_attention(q, k, v, "flash", 0.1).backward(grad))
     big = [n for s, n, _ in events if s > 0 and n > 10**6]
     assert big[:8] == [cuda_block_bytes(n) for n in [22654080] * 6 + [3151872, 100859904]]
+
+
+H200_EVENTS = Path(__file__).resolve().parent / "data" / "gpu"
+
+
+@pytest.mark.parametrize("log,B,H,L", [("h200-2026-11-27/events/large_bf16_ckpt_1s", 2049, 12, 44),
+                                       ("h200-2026-11-27/events/xlarge_bf16_ckpt_0_5s", 23, 16, 2049),
+                                       ("h200-2026-11-26/events/memory_optimized_b2_ckpt", 2050, 8, 431)])
+def test_auto_attention_with_an_unpadded_head_dim_books_the_recorded_workspace(log, B, H, L):
+    """`auto` with bf16 and head dim 16 (no padding): the H200 ran cuDNN attention, whose backward
+    asked the allocator for one B x H x L x 17 fp32 workspace (+256 B) per attention call, and never
+    for FA2's dq_accum. The emulated SDPA books that workspace after dq, dk, dv, and only under
+    `auto`: an explicit flash keeps FA2's buffers."""
+    from tiersep.memory.trace.allocator import load_event_log
+
+    events = load_event_log(H200_EVENTS / f"{log}.events.json.gz").events
+    asked = collections.Counter(size for action, _, size in events if action == "alloc")
+
+    def kernel_allocations(backend):
+        with FakeTensorMode():
+            q, k, v = (torch.empty(B, H, L, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            grad = torch.empty(B, H, L, 16, dtype=torch.bfloat16)
+
+            def step():
+                with CudaEmulation(backend):
+                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+                out.backward(grad)
+            # what the backward kernel allocates (q, k, v are first seen by the tracker there too)
+            return [n for s, n, op in _backward_events(step) if s > 0 and op in ("empty_like.default", "new_empty.default")]
+
+    workspace = B * H * L * 17 * 4 + 256
+    dq_accum = B * -(-L // 128) * 128 * H * 32 * 4
+    assert kernel_allocations("auto") == [cuda_block_bytes(B * H * L * 16 * 2)] * 3 + [cuda_block_bytes(workspace)]
+    assert asked[workspace] >= 2 and asked[workspace] % 2 == 0    # each call of both logged steps
+    assert asked[dq_accum] == 0
+    assert cuda_block_bytes(dq_accum) in kernel_allocations("flash")
 
 
 @pytest.mark.parametrize("B,L,recorded", [(518, 1025, 577673600), (2050, 259, 672400000)])

@@ -96,6 +96,26 @@ class _FlashAttention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 
+class _CudnnAttention(_FlashAttention):
+    """What torch 2.11 runs for `auto` on Hopper when the 16-bit head dim needs no padding (a multiple
+    of 8): cuDNN attention, as the H200 event logs show it (tests/data/gpu/h200-2026-11-27/events/:
+    `large`, `xlarge`, `small` 8 heads x 64, and `memory_optimized`'s of 2026-11-26). Forward as
+    flash's (output and fp32 row statistics); backward allocates dq, dk, dv and then one workspace of
+    B x H x L x (D + 1) fp32 (dq's fp32 accumulator and the rows' dout . out) + 256 bytes, freed on
+    return: not FA2's softmax_d and dq_accum, whose L rounds up to 128 and D to 32."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, _, _ = ctx.saved_tensors
+        B, H, L, D = q.shape
+        dq = torch.empty_like(q.transpose(1, 2))
+        dk = torch.empty_like(k.transpose(1, 2))
+        dv = torch.empty_like(v.transpose(1, 2))
+        workspace = q.new_empty(B * H * L * (D + 1) * 4 + 256, dtype=torch.uint8)
+        del workspace
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+
+
 # cutlass memory-efficient backward (mem_eff_attention/kernel_backward.h), the kernel torch picks for
 # sm80+: 64x64 blocks for a head dim up to 64 (128x64 above), split keys enabled.
 _EFF_BLOCK_I, _EFF_BLOCK_J = 64, 64
@@ -153,15 +173,19 @@ class _EfficientAttention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 
-def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0):
+def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0, auto: bool = False):
     """at::scaled_dot_product_attention with a fused CUDA kernel, on [B, H, L, D] inputs: flash
     pads the head dim to a multiple of 8 (at::pad, so backward slices it off again) and slices the
-    output back (slice, whose backward pads the gradient)."""
+    output back (slice, whose backward pads the gradient). `auto` (no sdpa_kernel restriction): a
+    head dim that needs no padding runs cuDNN attention, which torch 2.11 prefers on Hopper (the
+    only generation measured; torch runs flash on Ampere, whose classes have no evidence)."""
     if kind == "flash":
         D, Dv = q.shape[-1], v.shape[-1]
         pad = (-D) % 8
         if pad:
             q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, (-Dv) % 8))
+        elif auto and D == Dv and D <= 128:
+            return _CudnnAttention.apply(q, k, v, dropout_p)
         out = _FlashAttention.apply(q, k, v, dropout_p)
         return out[..., :Dv] if out.shape[-1] != Dv else out
     return _EfficientAttention.apply(q, k, v, dropout_p)

@@ -156,7 +156,7 @@ class CudaEmulation(TorchFunctionMode):
             lead = query.shape[:-2]
             if query.dim() != 4:   # fused kernels take [B, H, L, D]; fold other leading dims
                 query, key, value = (t.reshape(-1, 1, *t.shape[-2:]) for t in (query, key, value))
-            out = fused_attention(query, key, value, kind, dropout_p)
+            out = fused_attention(query, key, value, kind, dropout_p, auto=self.requested_backend == "auto")
             return out.reshape(*lead, *out.shape[-2:])
 
 
