@@ -90,15 +90,30 @@ def test_auto_precision_per_device():
 
 
 @pytest.mark.parametrize("card", [e.name for e in gpu_catalogue.CATALOGUE if e.capability >= (8, 0)])
-def test_an_sm80_card_traces_exactly_the_preset_it_did_before(card):
-    """What keeps every H100 accuracy figure as it was: on a card with flash and bf16 the estimate
-    traces the preset as given (Conditions.applied changes nothing but an auto precision)."""
+def test_an_sm80_card_traces_the_preset_as_given_but_where_torch_would_not_try_cudnn(card):
+    """What keeps every Hopper accuracy figure as it was: on a card with flash and bf16 the estimate
+    traces the preset as given (Conditions.applied changes nothing but an auto precision), and the
+    trace's `auto` runs cuDNN attention for an unpadded 16-bit head dim, as the H100 and H200 did.
+    torch 2.11 tries cuDNN first only on sm90, sm100 and sm103 (check_prefer_cudnn_attention): on
+    Ampere and Ada, auto runs flash there, so the preset is traced with attention_backend flash
+    (FA2's backward buffers). Head dims: small 12 (padded: flash everywhere), the others 16 or 24."""
+    entry = CARDS[card]
+    assert entry.prefers_cudnn == (entry.capability in ((9, 0), (10, 0), (10, 3)))
+    restated = []
     for name in SEEDS:
         for precision in ("fp32", "bf16", "fp16"):
             preset = seed(name, **{"train.precision": precision})
-            cond = decide(preset, "cuda", gpu=CARDS[card])
-            assert cond.applied(preset) is preset
+            cond = decide(preset, "cuda", gpu=entry)
             assert cond.attention == decide(preset, "cuda").attention      # None: any sm80+ card, as before
+            applied = cond.applied(preset)
+            head_dim = preset["model"]["attention_dim"] // preset["model"]["n_heads"]
+            if entry.prefers_cudnn or cond.attention != "flash" or head_dim % 8:
+                assert applied is preset, (name, precision)
+            else:
+                assert applied["model"]["attention_backend"] == "flash" and applied["train"] == preset["train"]
+                restated.append((name, precision))
+    if not entry.prefers_cudnn:   # every seed tier but small, in both 16-bit types
+        assert sorted(restated) == sorted((n, p) for n in SEEDS if n != "small" for p in ("bf16", "fp16")), restated
 
 
 def test_estimate_gpu_through_the_cli(tmp_path):

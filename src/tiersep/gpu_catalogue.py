@@ -31,6 +31,9 @@ EFFICIENT_SM = ((5, 0), (12, 1))
 CUDNN_SM = ((8, 0), (12, 1))
 BF16_SM = (8, 0)
 KERNELS = ("flash", "efficient", "cudnn", "math")   # the order torch tries them (no cuDNN preference)
+# check_prefer_cudnn_attention: the capabilities where auto tries cuDNN attention first (torch 2.11's
+# cu130 wheels ship a cuDNN > 9.15, as the H100 and H200 measured here ran)
+CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class GpuEntry:
     @property
     def generation(self) -> str:
         return generation(self.capability)
+
+    @property
+    def prefers_cudnn(self) -> bool:
+        """Whether torch's `auto` tries cuDNN attention before flash here (Hopper, datacenter Blackwell)."""
+        return tuple(self.capability) in CUDNN_FIRST and "cudnn" in self.kernels
 
     def runs(self, kernel: str, half: str | None) -> bool:
         """Whether torch 2.11 runs SDPA `kernel` here for `half` (bf16, fp16, or None for fp32):

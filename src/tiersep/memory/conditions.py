@@ -17,7 +17,7 @@ from tiersep.gpu_catalogue import GpuEntry
 from tiersep.model.step import resolve_precision
 from tiersep.model.compile import compiles
 
-from .trace import modelled_backend
+from .trace import cudnn_takes, modelled_backend
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,14 @@ class Conditions:
 
     def applied(self, preset: dict) -> dict:
         """`preset` as it runs under these conditions: train.precision resolved (auto), and on a card
-        where torch's own choice differs from an sm80+ card's (no flash, or no bf16 in the fused
-        kernels), model.attention_backend set to the kernel that runs there. Unchanged otherwise, so
-        an sm80+ estimate traces exactly what it did before."""
+        where torch's own choice differs from the trace's `auto` (no flash, or no bf16 in the fused
+        kernels; or flash where `auto` traces cuDNN attention, which torch tries first only on
+        Hopper and datacenter Blackwell), model.attention_backend set to the kernel that runs there.
+        Unchanged otherwise, so a Hopper estimate traces exactly what it did before."""
         kernel_differs = self.device == "cuda" and self.gpu is not None and \
             preset["model"]["attention_backend"] == "auto" and \
-            self.attention != modelled_backend(_with_precision(preset, self.precision), "cuda")
+            (self.attention != modelled_backend(_with_precision(preset, self.precision), "cuda")
+             or (self.attention == "flash" and not self.gpu.prefers_cudnn and cudnn_takes(_head_dim(preset))))
         if preset["train"]["precision"] == self.precision and not kernel_differs:
             return preset
         out = copy.deepcopy(preset)
@@ -62,6 +64,10 @@ class Conditions:
         if kernel_differs:
             out["model"]["attention_backend"] = self.attention
         return out
+
+
+def _head_dim(preset: dict) -> int:
+    return preset["model"]["attention_dim"] // preset["model"]["n_heads"]
 
 
 def _with_precision(preset: dict, precision: str) -> dict:

@@ -173,18 +173,27 @@ class _EfficientAttention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 
+def cudnn_takes(head_dim: int, value_dim: int | None = None) -> bool:
+    """Whether cuDNN attention takes a 16-bit call that `auto` would give flash, where torch tries
+    cuDNN first (gpu_catalogue.GpuEntry.prefers_cudnn): a head dim needing no padding (a multiple of
+    8), up to 128, the same for values. Otherwise flash runs (the H200's logs: head dim 12, padded)."""
+    value_dim = head_dim if value_dim is None else value_dim
+    return head_dim % 8 == 0 and head_dim == value_dim and head_dim <= 128
+
+
 def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0, auto: bool = False):
     """at::scaled_dot_product_attention with a fused CUDA kernel, on [B, H, L, D] inputs: flash
     pads the head dim to a multiple of 8 (at::pad, so backward slices it off again) and slices the
-    output back (slice, whose backward pads the gradient). `auto` (no sdpa_kernel restriction): a
-    head dim that needs no padding runs cuDNN attention, which torch 2.11 prefers on Hopper (the
-    only generation measured; torch runs flash on Ampere, whose classes have no evidence)."""
+    output back (slice, whose backward pads the gradient). `auto` (no sdpa_kernel restriction) on a
+    card that tries cuDNN first (Hopper, the generation measured, and datacenter Blackwell): a call
+    `cudnn_takes` runs cuDNN attention. An estimate for another card traces its preset with
+    attention_backend flash there (conditions.Conditions.applied), so it keeps FA2's buffers."""
     if kind == "flash":
         D, Dv = q.shape[-1], v.shape[-1]
         pad = (-D) % 8
         if pad:
             q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, (-Dv) % 8))
-        elif auto and D == Dv and D <= 128:
+        elif auto and cudnn_takes(D, Dv):
             return _CudnnAttention.apply(q, k, v, dropout_p)
         out = _FlashAttention.apply(q, k, v, dropout_p)
         return out[..., :Dv] if out.shape[-1] != Dv else out
