@@ -4,7 +4,7 @@ profiler saw in one forward and backward. It checks the trace's rule (memory/tra
 on a card that tries cuDNN first (gpu_catalogue.GpuEntry.prefers_cudnn), `auto` runs cuDNN attention
 for an unpadded 16-bit head dim up to 128 (`cudnn_takes`), flash for a padded one.
 
-    python bench/sdpa_kernels.py [--out FILE]      # needs a CUDA GPU; Markdown to stdout or FILE
+    python bench/sdpa_kernels.py [--out FILE] [--head-dims 12 16 ...]   # needs a CUDA GPU
 """
 from __future__ import annotations
 
@@ -64,12 +64,13 @@ def driver() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=HEAD_DIMS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/sdpa_kernels.py: no CUDA GPU here", file=sys.stderr)
         return 2
     from tiersep import gpu_info
-    from tiersep.memory.trace.attention import cudnn_takes
+    from tiersep.memory.trace.attention import choose_cuda_backend, cudnn_takes
 
     entry = gpu_info.catalogue_entry()
     cap = torch.cuda.get_device_capability()
@@ -82,17 +83,16 @@ def main(argv=None) -> int:
              "|---|---:|---|---|---|---|"]
     disagreements = 0
     for label, dtype in DTYPES.items():
-        for d in HEAD_DIMS:
+        for d in args.head_dims:
             q, k, v = (torch.randn(B, H, L, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
             try:
                 choice, seen = chosen(q, k, v), family(kernels_seen(q, k, v))
             except Exception as err:      # a cell that fails is a row saying why, not a lost table
                 choice, seen = f"error: {type(err).__name__}: {str(err)[:80]}", "?"
-            if dtype == torch.float32:
-                rule = "efficient" if d % 4 == 0 else "math"
-            else:
-                rule = "cudnn" if entry.prefers_cudnn and cudnn_takes(d) else "flash"
-            ok = choice.startswith(rule) or (rule == "cudnn" and choice.startswith("cudnn"))
+            rule = choose_cuda_backend("auto", dtype, d, False, entry)
+            if rule == "flash" and entry.prefers_cudnn and cudnn_takes(d):
+                rule = "cudnn"
+            ok = choice.startswith(rule)
             disagreements += not ok
             lines.append(f"| {label} | {d} | {choice} | {seen} | {rule} | {'yes' if ok else 'NO'} |")
     lines += ["", f"{disagreements} disagreement(s)."]

@@ -193,3 +193,25 @@ def test_fit_the_seed_tiers_to_a_t4_through_the_cli(tmp_path):
     assert fitting["ultra_safe"]["attention_backend"] == "efficient"
     assert fitting["small"]["attention_backend"] == "math"
     assert any("attention runs efficient on the T4" in c for c in fitting["ultra_safe"]["changes"])
+
+
+def test_auto_runs_the_kernel_torch_chose_on_the_h200():
+    """The trace's `auto` against torch's own choice on an H200 (bench/sdpa_kernels.py, run there:
+    `torch._fused_sdp_choice` and the profiler's kernels, 42 dtype x head-dim cells): cuDNN for an
+    unpadded 16-bit head dim up to 256, flash for 12, the memory-efficient kernel above 256 and in fp32."""
+    import re
+
+    import torch
+
+    from tiersep.memory.trace.attention import choose_cuda_backend, cudnn_takes
+
+    table = (Path(__file__).resolve().parents[1] / "bench" / "results" / "sdpa_kernels_h200.md").read_text()
+    rows = re.findall(r"^\| (bf16|fp16|fp32) \| (\d+) \| (\w+) \| (\w+) \|", table, re.M)
+    assert len(rows) == 42
+    h200 = CARDS["h200"]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for dtype, head_dim, chosen, seen in rows:
+        rule = choose_cuda_backend("auto", dtypes[dtype], int(head_dim), False, h200)
+        if rule == "flash" and h200.prefers_cudnn and cudnn_takes(int(head_dim)):
+            rule = "cudnn"
+        assert chosen.startswith(rule) and seen == rule, (dtype, head_dim, chosen, seen, rule)

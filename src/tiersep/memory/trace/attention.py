@@ -176,9 +176,11 @@ class _EfficientAttention(torch.autograd.Function):
 def cudnn_takes(head_dim: int, value_dim: int | None = None) -> bool:
     """Whether cuDNN attention takes a 16-bit call that `auto` would give flash, where torch tries
     cuDNN first (gpu_catalogue.GpuEntry.prefers_cudnn): a head dim needing no padding (a multiple of
-    8), up to 128, the same for values. Otherwise flash runs (the H200's logs: head dim 12, padded)."""
+    8) up to 256, the same for values. Otherwise flash runs. Read off torch's own choice on an H200
+    (bench/results/sdpa_kernels_h200.md: cuDNN for 8, 16, 24, 40, 64, 128-256; flash for 12; above
+    256 neither). Its backward workspace (_CudnnAttention) is measured at head dim 16 only."""
     value_dim = head_dim if value_dim is None else value_dim
-    return head_dim % 8 == 0 and head_dim == value_dim and head_dim <= 128
+    return head_dim % 8 == 0 and head_dim == value_dim and head_dim <= 256
 
 
 def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0, auto: bool = False):
