@@ -2,7 +2,7 @@
 (`torch._fused_sdp_choice`, the select_sdp_backend of sdp_utils.cpp) and the CUDA kernels the
 profiler saw in one forward and backward. It checks the trace's rule (memory/trace/attention.py):
 on a card that tries cuDNN first (gpu_catalogue.GpuEntry.prefers_cudnn), `auto` runs cuDNN attention
-for an unpadded 16-bit head dim up to 128 (`cudnn_takes`), flash for a padded one.
+for an unpadded 16-bit head dim up to 256 (`cudnn_takes`), flash for a padded one.
 
     python bench/sdpa_kernels.py [--out FILE] [--head-dims 12 16 ...]   # needs a CUDA GPU
 """
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         print("bench/sdpa_kernels.py: no CUDA GPU here", file=sys.stderr)
         return 2
     from tiersep import gpu_info
-    from tiersep.memory.trace.attention import choose_cuda_backend, cudnn_takes
+    from tiersep.memory.trace.attention import auto_kernel
 
     entry = gpu_info.catalogue_entry()
     cap = torch.cuda.get_device_capability()
@@ -89,9 +89,7 @@ def main(argv=None) -> int:
                 choice, seen = chosen(q, k, v), family(kernels_seen(q, k, v))
             except Exception as err:      # a cell that fails is a row saying why, not a lost table
                 choice, seen = f"error: {type(err).__name__}: {str(err)[:80]}", "?"
-            rule = choose_cuda_backend("auto", dtype, d, False, entry)
-            if rule == "flash" and entry.prefers_cudnn and cudnn_takes(d):
-                rule = "cudnn"
+            rule = auto_kernel(dtype, d, entry)
             ok = choice.startswith(rule)
             disagreements += not ok
             lines.append(f"| {label} | {d} | {choice} | {seen} | {rule} | {'yes' if ok else 'NO'} |")

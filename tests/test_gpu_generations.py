@@ -203,7 +203,7 @@ def test_auto_runs_the_kernel_torch_chose_on_the_h200():
 
     import torch
 
-    from tiersep.memory.trace.attention import choose_cuda_backend, cudnn_takes
+    from tiersep.memory.trace.attention import auto_kernel
 
     table = (Path(__file__).resolve().parents[1] / "bench" / "results" / "sdpa_kernels_h200.md").read_text()
     rows = re.findall(r"^\| (bf16|fp16|fp32) \| (\d+) \| (\w+) \| (\w+) \|", table, re.M)
@@ -211,7 +211,5 @@ def test_auto_runs_the_kernel_torch_chose_on_the_h200():
     h200 = CARDS["h200"]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     for dtype, head_dim, chosen, seen in rows:
-        rule = choose_cuda_backend("auto", dtypes[dtype], int(head_dim), False, h200)
-        if rule == "flash" and h200.prefers_cudnn and cudnn_takes(int(head_dim)):
-            rule = "cudnn"
+        rule = auto_kernel(dtypes[dtype], int(head_dim), h200)
         assert chosen.startswith(rule) and seen == rule, (dtype, head_dim, chosen, seen, rule)
