@@ -26,13 +26,15 @@ RTOL, ATOL = 1e-4, 1e-4
 # of an update. 5e-4 (0.1 lr) is 3.7x that and 130x below the half-data difference; one Adam step
 # too many (stepping per micro-batch) moves weights by about lr.
 ACCUM_ATOL = 5e-4
-# fp16 (2 ranks x 1 against 1 x 2, one step skipped, 2026-11-27): over 5 steps the losses were within
-# 3e-6 relative and the weights within 1.57e-3 (rms 2.7e-5), as fp16 rounds the two layouts' sums
-# apart; over the test's 3 steps, the losses equal to metrics.csv's 6 digits and the weights within
-# 1.02e-3 (rms 2.5e-5). 1e-4 and 5e-3 are 30x and 3.2x the 5-step figures, and 14x below the
-# half-data difference. The test runs 1 s segments (half the time): 3 steps, 2026-11-27, losses
-# equal to 6 digits, weights within 1.61e-3 (rms 3.6e-5), 3.1x under 5e-3. (0.5 s segments: 8.2e-3.)
-FP16_LOSS_RTOL, FP16_ATOL = 1e-4, 5e-3
+# fp16 (2 ranks x 1 against 1 x 2, one step skipped, 1 s segments, 3 steps): the losses equal to
+# metrics.csv's 6 digits; the weights apart by rms 3.6e-5, largest 1.61e-3 (Intel Xeon, AVX-512 FP16,
+# 2026-11-27) and rms 8.1e-5, largest 6.4e-3 (AMD EPYC, no AVX-512 FP16, 2026-11-27): fp16 rounds the
+# two layouts' sums apart, and Adam turns a near-zero gradient's sign into a whole update (lr 5e-3),
+# so the largest difference depends on the CPU and is bounded only by the updates themselves: two
+# applied steps of at most lr each way, 4 lr. The rms carries the check: 5e-4 is 6x the AMD figure,
+# and one applied step more or less (a layout that did not skip) is rms 4.2e-3 apart (the single
+# process's 3 steps against its first 2, measured the same day on the AMD machine), 8x over it.
+FP16_LOSS_RTOL, FP16_RMS, FP16_MAX = 1e-4, 5e-4, 4 * 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,13 @@ def assert_close(a: dict, b: dict, atol: float = ATOL) -> float:
         torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=atol, msg=key)
         worst = max(worst, float((a[key] - b[key]).abs().max()))
     return worst
+
+
+def differences(a: dict, b: dict) -> tuple[float, float]:
+    """(rms, largest) of the differences between two state dicts' weights, over all of them."""
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k].double() - b[k].double()).flatten() for k in a])
+    return float(diff.pow(2).mean().sqrt()), float(diff.abs().max())
 
 
 def trace(path: Path) -> dict:
@@ -192,7 +201,8 @@ def test_one_ranks_fp16_overflow_skips_the_step_on_every_rank(ws, tmp_path):
     run = json.loads((two / "run.json").read_text())
     assert run["loss_scaler"] == {"scale": 2.0 ** 15, "skipped_steps": 1}
     assert [r["loss_scaler"] for r in run["per_rank"]] == [{"scale": 2.0 ** 15, "skipped_steps": 1}] * 2
-    assert_close(weights(one / "model.pt"), weights(two / "model.pt"), atol=FP16_ATOL)
+    rms, largest = differences(weights(one / "model.pt"), weights(two / "model.pt"))
+    assert rms <= FP16_RMS and largest <= FP16_MAX, (rms, largest)
 
 
 def test_half_the_data_is_not_within_the_tolerance(ws, twenty_steps, tmp_path):

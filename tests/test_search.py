@@ -13,8 +13,8 @@ import time
 import pytest
 import yaml
 
-from test_search_support import (base_preset, booking, budget_between, env, load_study, search_workspace, trials_csv,
-                                 write_search_config)
+from test_search_support import (base_preset, booking, budget_between, env, fresh_allowance, load_study,
+                                 search_workspace, trials_csv, write_search_config)
 from test_train_support import REPO
 
 pytestmark = pytest.mark.slow   # real training processes: about 3 minutes on 2 busy cores
@@ -23,6 +23,7 @@ BIG = 16   # a micro-batch that does not fit the tests' budget
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
+    fresh_allowance()      # the bookings below and the trials' gates: one allowance for the module
     ws = search_workspace(tmp_path_factory.mktemp("search"))
     # batch 1-2 fits the budget, batch 16 does not (the trainer's own CPU booking decides). Batch 1-2
     # sit at the booking's floor (the process allowance); batch 8 was booked only 2 % above it under a

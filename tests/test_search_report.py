@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from test_report import RESULTS, WIDTH, Chromium, cells, fixture_config
-from test_search_support import (booking, env, load_study, search_workspace, trials_csv,
+from test_search_support import (booking, env, fresh_allowance, load_study, search_workspace, trials_csv,
                                  write_search_config)
 from test_train_support import REPO
 
@@ -79,6 +79,7 @@ def with_gpus(config: Path, gpus: list[float]) -> None:
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
+    fresh_allowance()      # the budgets below are 1 % over bookings: one allowance for the module
     return search_workspace(tmp_path_factory.mktemp("search-report"))
 
 

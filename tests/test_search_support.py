@@ -50,6 +50,25 @@ def base_preset(ws: dict, **sets) -> dict:
     return C.validate(preset, "preset.schema.yaml", "test")
 
 
+def fresh_allowance() -> dict:
+    """Measure the CPU booking's process allowance now, for this process and for the cache file the
+    search's processes read (memory/cpu_booking.py: a figure is kept 15 minutes, then measured
+    again, and moves by up to a few hundred MiB between measurements). A module whose budgets sit
+    within that of a booking calls this first, so its bookings and its trials' gates read one
+    figure: the pytest worker had kept an older one in memory, and a trial started 15 minutes after
+    the file's measurement measured again (CI, 2026-11-27: every trial of test_search_report's
+    study INFEASIBLE, with a budget 1 % over the booking)."""
+    from tiersep.memory import cpu_booking
+
+    cache = cpu_booking.allowance_cache_file()
+    if cache is not None:
+        cache.unlink(missing_ok=True)
+    cpu_booking.process_allowance.cache_clear()
+    allowance = cpu_booking.process_allowance()
+    assert allowance["probe_peak_bytes"] is not None, allowance["source"]
+    return allowance
+
+
 def booking(ws: dict, sets: dict, tight: bool = False) -> int:
     """The CPU booking the fit gate makes for the base preset with `sets` ({dotted field: value}):
     under a roomy budget (glibc's own malloc), or with `tight` under one it cannot meet, where the
