@@ -12,12 +12,14 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
+
 from tiersep.device import planned_allocator
 from tiersep.gpu_catalogue import GpuEntry
-from tiersep.model.step import resolve_precision
+from tiersep.model.step import autocast_dtype, resolve_precision
 from tiersep.model.compile import compiles
 
-from .trace import cudnn_takes, modelled_backend
+from .trace import auto_kernel, modelled_backend
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ class Conditions:
         kernels; or flash where `auto` traces cuDNN attention, which torch tries first only on
         Hopper and datacenter Blackwell), model.attention_backend set to the kernel that runs there.
         Unchanged otherwise, so a Hopper estimate traces exactly what it did before."""
-        kernel_differs = self.device == "cuda" and self.gpu is not None and \
-            preset["model"]["attention_backend"] == "auto" and \
-            (self.attention != modelled_backend(_with_precision(preset, self.precision), "cuda")
-             or (self.attention == "flash" and not self.gpu.prefers_cudnn and cudnn_takes(_head_dim(preset))))
+        kernel_differs = False
+        if self.device == "cuda" and self.gpu is not None and preset["model"]["attention_backend"] == "auto":
+            dtype, head_dim = autocast_dtype(self.precision) or torch.float32, _head_dim(preset)
+            kernel_differs = auto_kernel(dtype, head_dim, self.gpu) != auto_kernel(dtype, head_dim)
         if preset["train"]["precision"] == self.precision and not kernel_differs:
             return preset
         out = copy.deepcopy(preset)

@@ -14,7 +14,7 @@ ranks.py      data-parallel ranks: what DistributedDataParallel adds to a rank's
 workload.py   the model, loss, optimizer and inputs a traced or measured step runs on
 """
 from . import allocator, ranks
-from .attention import cudnn_takes, modelled_backend
+from .attention import auto_kernel, modelled_backend
 from .emulation import CudaEmulation
 from .kernels import CudaKernelMemory
 from .step import (CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, TraceResult, emulated, move_order, peak_from,
@@ -22,7 +22,7 @@ from .step import (CUBLAS_WORKSPACE_BYTES, STEPS, RecordedStep, TraceResult, emu
 from .tracker import FORWARD, StorageTracker, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
 
-__all__ = ["allocator", "ranks", "cudnn_takes", "modelled_backend", "CudaEmulation", "CudaKernelMemory", "CUBLAS_WORKSPACE_BYTES",
+__all__ = ["allocator", "ranks", "auto_kernel", "modelled_backend", "CudaEmulation", "CudaKernelMemory", "CUBLAS_WORKSPACE_BYTES",
            "STEPS", "RecordedStep", "TraceResult", "emulated", "move_order", "peak_from", "record_step",
            "repeat_steps", "summarize", "trace_step", "FORWARD", "StorageTracker", "cpu_block_bytes",
            "cuda_block_bytes", "build_workload"]
