@@ -116,6 +116,14 @@ DTYPE_CLASSES = [
      "native"),
     ("held-out small fp16 math ckpt", "small", {**FP16, **MATH, **CKPT}, "measure", "expandable"),
     ("held-out small fp32 math ckpt", "small", {**FP32, **MATH, **CKPT}, "measure", "native"),
+    # cuDNN attention got classes of its own (records name it, 2026-11-27): one row for each Hopper
+    # class of it without any (ultra_safe's head dim 24 and memory_optimized's 16 run cuDNN under
+    # auto), and held-out rows for flash bf16 checkpointed, which kept only in-sample small rows
+    ("held-out ultra_safe bf16", "ultra_safe", {"train.grad_accum": 1}, "measure", "expandable"),
+    ("held-out memory_optimized fp16", "memory_optimized", FP16, "measure", "native"),
+    ("held-out ultra_safe fp16 ckpt", "ultra_safe", {**FP16, **CKPT, "train.grad_accum": 1}, "measure", "expandable"),
+    ("held-out small bf16 ckpt b2", "small", {**CKPT, "train.batch_size": 2}, "measure", "native"),
+    ("held-out small bf16 ckpt", "small", CKPT, "measure", "expandable"),
 ]
 JOBS = HELD_OUT + DTYPE_CLASSES + [
     ("calibrate", None, {}, "calibrate", "native"),

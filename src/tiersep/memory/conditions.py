@@ -26,7 +26,8 @@ from .trace import auto_kernel, modelled_backend
 class Conditions:
     device: str                 # cuda | cpu: what the estimate models (no GPU is needed for cuda)
     precision: str              # fp32 | bf16 | fp16: train.precision as it runs (auto resolved for the card)
-    attention: str              # the SDPA kernel assumed: flash | efficient | math (trace/attention.py)
+    attention: str              # the SDPA kernel assumed: flash | efficient | math (trace/attention.py;
+                                # traced_kernel: cudnn where `auto` runs cuDNN attention)
     expandable_segments: bool   # the CUDA caching allocator's mode (device.planned_allocator); False on cpu
     compiled: bool              # the torch.compile'd step (model.compile.compiles) or the eager one
     ranks: int                  # data-parallel ranks (train.ranks): >1, the figures are a rank's
@@ -66,6 +67,14 @@ class Conditions:
         if kernel_differs:
             out["model"]["attention_backend"] = self.attention
         return out
+
+    def traced_kernel(self, preset: dict) -> str:
+        """The SDPA kernel the trace of `preset` runs, as its record's attention_backend names it:
+        `attention`, or cudnn where `auto` takes cuDNN attention on this card (attention.auto_kernel;
+        `applied` restates flash on a card that does not try cuDNN first)."""
+        if self.device == "cuda" and self.attention == "flash" and preset["model"]["attention_backend"] == "auto":
+            return auto_kernel(autocast_dtype(self.precision), _head_dim(preset), self.gpu)
+        return self.attention
 
 
 def _head_dim(preset: dict) -> int:

@@ -234,7 +234,7 @@ def _why_eager(preset: dict, cond: conditions.Conditions) -> str | None:
 
 def _planned_class(preset: dict, cond: conditions.Conditions) -> dict:
     """The accuracy class a CUDA estimate of `preset` will have, before it is traced."""
-    return accuracy.estimate_class({"attention_backend": cond.attention,
+    return accuracy.estimate_class({"attention_backend": cond.traced_kernel(preset),
                                     "checkpointing": preset["model"]["checkpointing"],
                                     "allocator": cond.allocator_record(),
                                     "precision": cond.precision, "gpu": cond.gpu_record()})

@@ -243,7 +243,7 @@ class FitSearch:
                       precision=cond.precision, batch_size=t["batch_size"], grad_accum=t["grad_accum"],
                       segment_samples=variant["audio"]["segment_samples"],
                       checkpointing=variant["model"]["checkpointing"],
-                      attention_backend=cond.attention)
+                      attention_backend=cond.traced_kernel(variant))
         if "uncertainty_class" in self.original:   # the gate books peak x (1 + its class's uncertainty)
             record["uncertainty"] = max(uncertainty, accuracy.uncertainty(accuracy.estimate_class(record))[0])
         return with_booking(record, variant)

@@ -193,20 +193,21 @@ def auto_kernel(dtype: torch.dtype, head_dim: int, gpu=None) -> str:
     return "cudnn" if kind == "flash" and prefers and cudnn_takes(head_dim) else kind
 
 
-def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0, auto: bool = False):
-    """at::scaled_dot_product_attention with a fused CUDA kernel, on [B, H, L, D] inputs: flash
-    pads the head dim to a multiple of 8 (at::pad, so backward slices it off again) and slices the
-    output back (slice, whose backward pads the gradient). `auto` (no sdpa_kernel restriction) on a
-    card that tries cuDNN first (Hopper, the generation measured, and datacenter Blackwell): a call
-    `cudnn_takes` runs cuDNN attention. An estimate for another card traces its preset with
-    attention_backend flash there (conditions.Conditions.applied), so it keeps FA2's buffers."""
+def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0):
+    """at::scaled_dot_product_attention with a fused CUDA kernel (`kind`: flash, cudnn or
+    efficient), on [B, H, L, D] inputs: flash pads the head dim to a multiple of 8 (at::pad, so
+    backward slices it off again) and slices the output back (slice, whose backward pads the
+    gradient). cudnn is what `auto` runs where the card tries cuDNN first (Hopper, the generation
+    measured, and datacenter Blackwell) and `cudnn_takes` the call (the caller decides:
+    emulation.CudaEmulation); an estimate for another card traces its preset with attention_backend
+    flash there (conditions.Conditions.applied), so it keeps FA2's buffers."""
+    if kind == "cudnn":
+        return _CudnnAttention.apply(q, k, v, dropout_p)
     if kind == "flash":
         D, Dv = q.shape[-1], v.shape[-1]
         pad = (-D) % 8
         if pad:
             q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, (-Dv) % 8))
-        elif auto and cudnn_takes(D, Dv):
-            return _CudnnAttention.apply(q, k, v, dropout_p)
         out = _FlashAttention.apply(q, k, v, dropout_p)
         return out[..., :Dv] if out.shape[-1] != Dv else out
     return _EfficientAttention.apply(q, k, v, dropout_p)

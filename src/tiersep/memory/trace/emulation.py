@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .attention import choose_cuda_backend, fused_attention, math_attention_cuda
+from .attention import choose_cuda_backend, cudnn_takes, fused_attention, math_attention_cuda
 from .cuda_autocast import eligible, policy_of
 from .kernels import in_backward
 
@@ -148,6 +148,8 @@ class CudaEmulation(TorchFunctionMode):
                 query, key, value = self._cast((query, key, value), {}, lambda _: target)[0]
             kind = choose_cuda_backend(self.requested_backend, query.dtype, query.shape[-1],
                                        attn_mask is not None or is_causal)
+            if kind == "flash" and self.requested_backend == "auto" and cudnn_takes(query.shape[-1], value.shape[-1]):
+                kind = "cudnn"    # what `auto` runs on the sm80+ card a trace models (attention.auto_kernel)
             self.kernels_used[kind] = self.kernels_used.get(kind, 0) + 1
             if kind == "math" or attn_mask is not None or is_causal or enable_gqa:
                 if attn_mask is not None or is_causal or enable_gqa:
@@ -156,7 +158,7 @@ class CudaEmulation(TorchFunctionMode):
             lead = query.shape[:-2]
             if query.dim() != 4:   # fused kernels take [B, H, L, D]; fold other leading dims
                 query, key, value = (t.reshape(-1, 1, *t.shape[-2:]) for t in (query, key, value))
-            out = fused_attention(query, key, value, kind, dropout_p, auto=self.requested_backend == "auto")
+            out = fused_attention(query, key, value, kind, dropout_p)
             return out.reshape(*lead, *out.shape[-2:])
 
 
