@@ -136,7 +136,7 @@ JOBS = HELD_OUT + DTYPE_CLASSES + [
     # (held-out rows of 2026-11-27); the allocator's own logs say where the segments go
     ("small fp32 math ckpt", "small", {**FP32, **MATH, **CKPT}, "events", "native"),
     ("small bf16 math ckpt", "small", {**MATH, **CKPT}, "events", "native"),
-    # flash attention over-estimated by 4.9-5.7% in device use (allocated exact) with the native
+    # flash (in fact cuDNN) attention over-estimated by 4.9-5.7% in device use (allocated exact) with the native
     # allocator: the logs give the cuDNN workspaces these shapes really get (memory/trace/kernels.py)
     ("large bf16 ckpt 1s", "large", {**CKPT, "train.precision": "bf16", "audio.segment_samples": 44032,
                                      "train.grad_accum": 1}, "events", "native"),

@@ -75,7 +75,7 @@ KNOWN_GAPS = {
     # Its math rows read within 0.02% once _safe_softmax was booked as torch 2.11 runs it (kernels.py).
     "held-out ultra_safe fp16 efficient ckpt-native@h200-2026-11-27": (
         "reserved +5.6%, device use +5.1% (native allocator, checkpointed, efficient fp16): an over-estimate, "
-        "as memory_optimized's flash fp16 checkpointed native row (+5.5%); allocated +0.002%"),
+        "as memory_optimized's cuDNN fp16 checkpointed native row (+5.5%); allocated +0.002%"),
 }
 # Jobs of bench/gpu_evidence.py that ran out of memory on the GPU, by "name@folder", with what they ran
 # when their manifest does not say (manifests list each job's preset and set since 2026-11-27).
