@@ -183,14 +183,15 @@ def cudnn_takes(head_dim: int, value_dim: int | None = None) -> bool:
     return head_dim % 8 == 0 and head_dim == value_dim and head_dim <= 256
 
 
-def auto_kernel(dtype: torch.dtype, head_dim: int, gpu=None) -> str:
-    """The SDPA kernel torch's `auto` runs on `gpu` (a gpu_catalogue entry) for an unmasked call:
-    choose_cuda_backend's, with cuDNN attention where the card tries it first and `cudnn_takes`.
-    gpu None: the card the trace's own `auto` models (fused_attention), an sm80+ card that tries
-    cuDNN first, as the Hopper cards measured."""
-    kind = choose_cuda_backend("auto", dtype, head_dim, False, gpu)
+def auto_kernel(dtype: torch.dtype, head_dim: int, gpu=None, value_dim: int | None = None,
+                has_mask: bool = False) -> str:
+    """The SDPA kernel torch's `auto` runs on `gpu` (a gpu_catalogue entry): choose_cuda_backend's,
+    with cuDNN attention where the card tries it first and `cudnn_takes` the call. gpu None: the
+    card the trace's own `auto` models (emulation.CudaEmulation), an sm80+ card that tries cuDNN
+    first, as the Hopper cards measured."""
+    kind = choose_cuda_backend("auto", dtype, head_dim, has_mask, gpu)
     prefers = gpu is None or gpu.prefers_cudnn
-    return "cudnn" if kind == "flash" and prefers and cudnn_takes(head_dim) else kind
+    return "cudnn" if kind == "flash" and prefers and cudnn_takes(head_dim, value_dim) else kind
 
 
 def fused_attention(q, k, v, kind: str, dropout_p: float = 0.0):

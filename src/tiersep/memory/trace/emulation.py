@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .attention import choose_cuda_backend, cudnn_takes, fused_attention, math_attention_cuda
+from .attention import auto_kernel, choose_cuda_backend, fused_attention, math_attention_cuda
 from .cuda_autocast import eligible, policy_of
 from .kernels import in_backward
 
@@ -146,10 +146,10 @@ class CudaEmulation(TorchFunctionMode):
         with torch.autocast("cpu", enabled=False):
             if target is not None:     # SDPA is on CUDA's lower-precision list
                 query, key, value = self._cast((query, key, value), {}, lambda _: target)[0]
-            kind = choose_cuda_backend(self.requested_backend, query.dtype, query.shape[-1],
-                                       attn_mask is not None or is_causal)
-            if kind == "flash" and self.requested_backend == "auto" and cudnn_takes(query.shape[-1], value.shape[-1]):
-                kind = "cudnn"    # what `auto` runs on the sm80+ card a trace models (attention.auto_kernel)
+            masked = attn_mask is not None or is_causal
+            kind = (auto_kernel(query.dtype, query.shape[-1], value_dim=value.shape[-1], has_mask=masked)
+                    if self.requested_backend == "auto" else
+                    choose_cuda_backend(self.requested_backend, query.dtype, query.shape[-1], masked))
             self.kernels_used[kind] = self.kernels_used.get(kind, 0) + 1
             if kind == "math" or attn_mask is not None or is_causal or enable_gqa:
                 if attn_mask is not None or is_causal or enable_gqa:
