@@ -356,6 +356,31 @@ def test_derived_micro_batches_match_traced_ones(fields, monkeypatch):
     assert alloc1 == pytest.approx(alloc2, rel=1e-3) and reserved1 == pytest.approx(reserved2, rel=1e-3)
 
 
+@pytest.mark.parametrize("expandable", [False, True], ids=["native", "expandable"])
+def test_steady_micro_batches_are_skipped_with_the_full_replays_figures(expandable):
+    """Gradient accumulation's copies repeat each other (Timeline.repeats: copy i is copy 0 with its
+    keys moved on); once one leaves the allocator model as it found it, the rest are skipped, and
+    every figure is the full replay's."""
+    import dataclasses
+
+    import tiersep.memory.trace.step as trace
+    from tiersep.memory.trace import allocator
+
+    preset = small_preset(model__dropout=0.1, train__batch_size=1, train__grad_accum=8)
+    rec = trace.record_step(preset, "cuda")
+    timeline, _ = trace.repeat_steps(rec, trace.STEPS)
+    assert [count for _, _, count, _, _ in timeline.repeats] == [6] * trace.STEPS   # 7 copies, the first frees the traced one's
+    for start, length, count, shift, base in timeline.repeats:
+        first = timeline.events[start:start + length]
+        for i in range(1, count):
+            assert timeline.events[start + i * length:start + (i + 1) * length] == \
+                [(k + i * shift if k >= base else k, s) for k, s in first]
+    skipped = allocator.replay(timeline, exclude=rec.host, expandable_segments=expandable)
+    full = allocator.replay(timeline, exclude=rec.host, expandable_segments=expandable, skip_steady=False)
+    assert full.skipped_events == 0 and skipped.skipped_events >= 3 * trace.STEPS * timeline.repeats[0][1]
+    assert dataclasses.replace(skipped, skipped_events=0) == full
+
+
 def test_softmax_backward_holds_grad_times_output_while_it_runs():
     """softmax_backward_cuda_out (cuda/SoftMax.cu) computes `grad * output` into a temporary of the
     gradient's size after allocating its result, and frees it on return: on the math SDPA path, the

@@ -156,6 +156,7 @@ class AllocatorStats:
     allocated: int = 0
     reserved: int = 0
     segments: int = 0     # device allocations: cudaMalloc calls, or page mappings when expandable
+    skipped_events: int = 0   # events of repeated copies not replayed, their outcome known (replay)
 
 
 class CachingAllocatorModel:
@@ -323,6 +324,22 @@ class CachingAllocatorModel:
         pool.insert(block)
         self._count_device_alloc(block.addr, mapped)
 
+    def state(self, name) -> tuple:
+        """Everything the model's next steps depend on, its keys named by `name(key)`: every block
+        (address, size, allocated to whom, mapped, its segment's ends) and the counters but the peaks."""
+        owner = {id(b): name(k) for k, b in self._live.items()}
+        blocks = list(self._live.values())
+        for pool in self._pools.values():
+            blocks += [b for _, _, b in pool.blocks] + [b for _, b in pool.unmapped]
+        st = self.stats
+        return (st.allocated, st.reserved, st.segments, self._next_addr,
+                tuple(sorted((b.addr, b.size, b.pool.small, b.mapped, b.prev is None, b.next is None,
+                              owner.get(id(b))) for b in blocks)))
+
+    def rename(self, name) -> None:
+        """Give every allocated block the key `name(key)`."""
+        self._live = {name(k): b for k, b in self._live.items()}
+
     def _merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> None:
         """try_merge_blocks: absorb a free neighbour in the same mapped state."""
         if src is None or src.allocated or src.mapped != dst.mapped:
@@ -343,19 +360,30 @@ class CachingAllocatorModel:
             pool.remove_unmapped(src)
 
 
+# The longest cycle of states a run of repeated copies is looked at for (replay): a leftover block
+# that alternates between two free holes makes a cycle of 2.
+STEADY_PERIODS = 4
+
+
 def replay(timeline, exclude: set[int] = frozenset(), repeat_from: int | None = None,
-           keep: set[int] = frozenset(), expandable_segments: bool = False) -> AllocatorStats:
+           keep: set[int] = frozenset(), expandable_segments: bool = False,
+           skip_steady: bool = True) -> AllocatorStats:
     """Run a tracker Timeline through the allocator model.
 
     With `repeat_from` (an event index), the events from there on are replayed a second time,
     after freeing what the first pass left live except `keep` (weights, optimizer state): this is
     the steady state of training, where step 2 finds step 1's cached segments.
+    With `skip_steady`, a run of repeated copies (timeline.repeats: gradient accumulation's
+    micro-batches) stops being replayed once the model's state (`state`, the copies' keys named
+    relative to the copy) comes back to one it had a few copies before: the later copies would
+    cycle through the same states again, so the peaks stand and only the keys move on (the figures
+    are those of a full replay: tests/test_memory_cuda_model.py).
     """
     model = CachingAllocatorModel(expandable_segments)
     sizes = {k: a.nbytes for k, a in timeline.allocations.items()}
-    live = model._live
 
-    def run(events, offset):
+    def run(events, offset=0):
+        live = model._live
         for key, sign in events:
             if key in exclude:
                 continue
@@ -364,11 +392,33 @@ def replay(timeline, exclude: set[int] = frozenset(), repeat_from: int | None = 
             elif key + offset in live:
                 model.free(key + offset)
 
-    run(timeline.events, 0)
+    done = 0
+    for start, length, count, shift, base in sorted(timeline.repeats) if skip_steady else ():
+        run(timeline.events[done:start])
+        seen, copy = [], 0
+        while copy < count:
+            def relative(key, copy=copy):   # a copy's keys by (copies back from this one, which)
+                return key if key < base else (copy - (key - base) // shift, (key - base) % shift)
+
+            if not seen or seen[-1] is not None:
+                now = model.state(relative)
+                period = next((p for p in range(1, len(seen) + 1) if seen[-p] == now), None)
+                seen = seen[-(STEADY_PERIODS - 1):] + [now]
+                if period:   # the last `period` copies came back to where they began: skip their repeats
+                    skip = (count - copy) // period * period
+                    model.rename(lambda key: key if key < base else key + skip * shift)
+                    model.stats.skipped_events += skip * length
+                    copy += skip
+                    seen.append(None)   # the rest (fewer than a period) is replayed
+                    continue
+            run(timeline.events[start + copy * length:start + (copy + 1) * length])
+            copy += 1
+        done = start + count * length
+    run(timeline.events[done:])
     if repeat_from is not None:
         step = timeline.events[repeat_from:]
         born = {k for k, s in step if s > 0}
-        for key in [k for k in live if k in born and k not in keep]:
+        for key in [k for k in model._live if k in born and k not in keep]:
             model.free(key)
         offset = max(sizes, default=0) + 1
         # Keys that outlive step 1 and are kept (e.g. optimizer state created in step 1) must not

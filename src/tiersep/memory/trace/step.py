@@ -262,7 +262,24 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
     out = Timeline(dict(tl.allocations), list(tl.events[:update]), list(tl.phases[:update]))
     next_key = max(tl.allocations) + 1
     previous = {k: k for k in leftovers}       # the leftovers of the micro-batch before
+    starts, keys = [], []                      # each copy's first event and first new key
+    # The copies after the first (which frees the traced micro-batch's leftovers) and before a last
+    # one with frees of its own repeat each other, their keys moved on: made as such, and recorded
+    # (Timeline.repeats) so that the allocator model may skip them once steady.
+    periodic = range(1, extra - 1 if last_frees else extra)
     for copy in range(extra):
+        starts.append(len(out.events))
+        keys.append(next_key)
+        if copy >= 2 and copy in periodic:
+            shift = next_key - keys[1]
+            out.events += [(k + shift, s) for k, s in out.events[starts[1]:starts[2]]]
+            out.phases += out.phases[starts[1]:starts[2]]
+            for k in range(keys[1], keys[2]):
+                a = out.allocations[k]
+                out.allocations[k + shift] = Allocation(k + shift, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+            next_key += keys[2] - keys[1]
+            previous = {k: v + keys[2] - keys[1] for k, v in previous.items()}
+            continue
         fresh = {}
         frees = (last_frees or {}) if copy == extra - 1 else {}
         for i, ((key, sign), phase) in enumerate(zip(window, phases)):
@@ -289,9 +306,12 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
             out.events.append((k, -1))
             out.phases.append(phases[-1])
         previous = {k: fresh[k] for k in leftovers}
+    starts.append(len(out.events))
     for (key, sign), phase in zip(tl.events[update:], tl.phases[update:]):
         out.events.append((previous.get(key, key), sign))
         out.phases.append(phase)
+    if len(periodic) >= 2:
+        out.repeats.append((starts[1], starts[2] - starts[1], len(periodic), keys[1] - keys[0], keys[0]))
     return out
 
 
@@ -344,29 +364,36 @@ def repeat_steps(rec: RecordedStep, steps: int) -> tuple[Timeline, list[int]]:
     phases = tl.phases[rec.step_start:]
     born = {k for k, s in step if s > 0}
     offset = max(tl.allocations, default=0) + 1
-    out = Timeline(dict(tl.allocations), list(tl.events), list(tl.phases))
+    out = Timeline(dict(tl.allocations), list(tl.events), list(tl.phases), list(tl.repeats))
     starts = [rec.step_start]
     live = set()
     for key, sign in step:
         if key in born:
             (live.add if sign > 0 else live.discard)(key)
+    copied = [key in born and key not in rec.persistent for key, _ in step]   # what a later step repeats
+    kept = [0]                       # events copied before each index
+    for c in copied:
+        kept.append(kept[-1] + c)
+    events = [e for e, c in zip(step, copied) if c]
+    kept_phases = [ph for ph, c in zip(phases, copied) if c]
+    allocations = [tl.allocations[k] for k, sign in events if sign > 0]
     for copy in range(1, steps):
         shift = copy * offset
         previous = (copy - 1) * offset
         starts.append(len(out.events))
+        frees = sum(key not in rec.persistent for key in live)
+        for start, length, count, key_shift, base in tl.repeats:
+            first, end = start - rec.step_start, start - rec.step_start + length * count
+            if first >= 0 and kept[end] - kept[first] == end - first:   # none left out: copied whole
+                out.repeats.append((starts[-1] + frees + kept[first], length, count, key_shift, base + shift))
         for key in sorted(live):
             if key not in rec.persistent:
                 out.events.append((key + previous if previous else key, -1))
                 out.phases.append(phases[0])
-        for (key, sign), phase in zip(step, phases):
-            if key not in born or key in rec.persistent:
-                continue
-            new = key + shift
-            if sign > 0:
-                a = tl.allocations[key]
-                out.allocations[new] = Allocation(new, a.nbytes, a.phase, a.op, a.shape, a.dtype)
-            out.events.append((new, sign))
-            out.phases.append(phase)
+        out.allocations.update((a.key + shift, Allocation(a.key + shift, a.nbytes, a.phase, a.op, a.shape, a.dtype))
+                               for a in allocations)
+        out.events += [(key + shift, sign) for key, sign in events]
+        out.phases += kept_phases
     return out, starts
 
 

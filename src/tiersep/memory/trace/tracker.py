@@ -59,6 +59,10 @@ class Timeline:
     allocations: dict[int, Allocation] = field(default_factory=dict)
     events: list[tuple[int, int]] = field(default_factory=list)   # (key, +1 alloc | -1 free)
     phases: list[str] = field(default_factory=list)               # the step's phase at each event
+    # Runs of identical copies (allocator.replay may skip the ones after a steady state): each
+    # (start, length, count, key_shift, base): `count` copies of `length` events from `start`, copy i
+    # being copy 0 with every key >= base raised by i * key_shift. A new Timeline has none.
+    repeats: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     def replay(self, exclude: set[int] = frozenset()) -> tuple[int, int]:
         """(peak live bytes, index of the event that reached it), ignoring keys in `exclude`."""
