@@ -15,9 +15,10 @@ process, one torch thread as the matrix's workers use):
 4. with --traces TIER: every trace of TIER's catalogue row, in order: the GPU whose cell asked for
    it, the variant, and its seconds of record_step and summarize; then what the row spent besides.
    Whether a faster matrix could run fewer traces, or must run cheaper ones.
-5. with --diff TIER: how the timeline of TIER (checkpointed, micro-batch 1, a 1 s segment) with 3
-   blocks differs from the one with 2, event by event ((alloc|free, op, bytes, phase) compared with
-   difflib): what a trace of few blocks would have to insert to stand for a deeper one.
+5. with --diff TIER: how the timeline of TIER (checkpointed, or not with --diff-unchecked;
+   micro-batch 1, a 1 s segment) with 3 blocks differs from the one with 2, event by event
+   ((alloc|free, op, bytes, phase) compared with difflib): what a trace of few blocks would have to
+   insert to stand for a deeper one; and which of the deeper one's frees the alignment explains.
 """
 from __future__ import annotations
 
@@ -58,24 +59,59 @@ def frugal(preset: dict) -> dict:
 
 def block_diff(preset: dict, blocks: int = 2) -> list[str]:
     """Table rows: each run of events the trace of `blocks` + 1 blocks has that the trace of `blocks`
-    lacks or has otherwise (difflib's opcodes other than equal)."""
+    lacks or has otherwise (difflib's opcodes other than equal); then, for each free of the deeper
+    trace, whether the alignment explains which allocation it frees (`key_roles`)."""
     from tiersep.memory.trace import record_step
 
-    def tokens(n: int) -> list[tuple]:
+    def timeline(n: int):
         variant = copy.deepcopy(preset)
         variant["model"]["n_layers"] = n
-        timeline = record_step(variant, "cuda").timeline
-        return [(sign, timeline.allocations[key].op, timeline.allocations[key].nbytes,
-                 timeline.allocations[key].phase) for key, sign in timeline.events]
+        return record_step(variant, "cuda").timeline
 
-    fewer, more = tokens(blocks), tokens(blocks + 1)
+    def tokens(tl) -> list[tuple]:
+        return [(sign, tl.allocations[key].op, tl.allocations[key].nbytes, tl.allocations[key].phase)
+                for key, sign in tl.events]
+
+    tl_fewer, tl_more = timeline(blocks), timeline(blocks + 1)
+    fewer, more = tokens(tl_fewer), tokens(tl_more)
+    opcodes = difflib.SequenceMatcher(None, fewer, more, autojunk=False).get_opcodes()
     rows = [f"{len(fewer)} and {len(more)} events\n", "| change | at event | events | first event (alloc/free, op, bytes, phase) |",
             "|---|---:|---:|---|"]
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, fewer, more, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in opcodes:
         if tag != "equal":
             sign, op, nbytes, phase = more[j1] if j1 < len(more) else fewer[i1]
             rows.append(f"| {tag} | {i1} | {max(j2 - j1, i2 - i1)} | {'alloc' if sign > 0 else 'free'}, {op}, {nbytes}, {phase} |")
-    return rows
+    return rows + ["", *key_roles(tl_fewer, tl_more, opcodes)]
+
+
+def key_roles(fewer, more, opcodes) -> list[str]:
+    """Table rows: the deeper trace's frees by what the alignment says of them. A matched free is
+    explained when it frees the allocation matched to the one its counterpart frees; an inserted
+    one (the new block's) frees an allocation of an inserted run, or of the matched events (then
+    the extension must decide whose: its own block's neighbour, or something every block shares)."""
+    import collections
+
+    matched, run_of = {}, {}
+    for tag, i1, i2, j1, j2 in opcodes:
+        if tag == "equal":
+            matched.update(zip(range(j1, j2), range(i1, i2)))
+        else:
+            run_of.update((j, j1) for j in range(j1, j2))
+    pairs = {fewer.events[i][0]: more.events[j][0] for j, i in matched.items() if more.events[j][1] > 0}
+    born = {k: j for j, (k, s) in enumerate(more.events) if s > 0}
+    counts = collections.Counter()
+    for j, (key, sign) in enumerate(more.events):
+        if sign > 0:
+            continue
+        made = born.get(key)
+        where = "before the step" if made is None else "an inserted run" if made in run_of else "a matched event"
+        if j in matched:
+            explained = pairs.get(fewer.events[matched[j]][0]) == key
+            counts[("matched", "explained" if explained else "not explained", where)] += 1
+        else:
+            counts[("inserted", "", where)] += 1
+    rows = ["| free | by the alignment | of an allocation made at | frees |", "|---|---|---|---:|"]
+    return rows + [f"| {a} | {b} | {c} | {n} |" for (a, b, c), n in sorted(counts.items())]
 
 
 def row_traces(preset: dict, cfg: dict) -> list[str]:
@@ -137,6 +173,7 @@ def main() -> int:
     parser.add_argument("--depth-of", default="xlarge", help="the tier whose depth is varied (table 2)")
     parser.add_argument("--rows", action="store_true", help="time each tier's catalogue row (minutes)")
     parser.add_argument("--diff", metavar="TIER", help="diff TIER's 2- and 3-block timelines (table 5)")
+    parser.add_argument("--diff-unchecked", action="store_true", help="--diff without checkpointing")
     parser.add_argument("--traces", metavar="TIER", help="each trace of TIER's catalogue row (table 4)")
     args = parser.parse_args()
     import torch
@@ -177,7 +214,9 @@ def main() -> int:
         preset = frugal(C.load_preset(args.diff, cfg))
         preset["train"]["grad_accum"] = 1
         preset["audio"]["segment_samples"] = preset["audio"]["sample_rate"]
-        print(f"\n{args.diff} (checkpointed, micro-batch 1, 1 s), 3 blocks against 2:\n")
+        preset["model"]["checkpointing"] = not args.diff_unchecked
+        print(f"\n{args.diff} ({'not ' if args.diff_unchecked else ''}checkpointed, micro-batch 1, 1 s), "
+              "3 blocks against 2:\n")
         print("\n".join(block_diff(preset)))
 
     if args.traces:
