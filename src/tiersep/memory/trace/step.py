@@ -252,44 +252,33 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
     last copy makes before its event of that offset."""
     start, forward_end, update = marks
     window, phases = tl.events[start:update], tl.phases[start:update]
-    born = {k for k, s in window if s > 0}
-    if any(s < 0 and k not in born for k, s in window):
-        raise RuntimeError("trace: the first micro-batch frees what it did not allocate; cannot repeat it")
-    alive = set()
-    for key, sign in window:
-        (alive.add if sign > 0 else alive.discard)(key)
-    leftovers = sorted(alive - gradients - persistent)
+    leftovers = _leftovers(window, gradients, persistent)
     out = Timeline(dict(tl.allocations), list(tl.events[:update]), list(tl.phases[:update]))
+
+    def free(keys, phase):
+        out.events.extend((k, -1) for k in keys)
+        out.phases.extend(phase for _ in keys)
+
     next_key = max(tl.allocations) + 1
     previous = {k: k for k in leftovers}       # the leftovers of the micro-batch before
     starts, keys = [], []                      # each copy's first event and first new key
-    # The copies after the first (which frees the traced micro-batch's leftovers) and before a last
-    # one with frees of its own repeat each other, their keys moved on: made as such, and recorded
-    # (Timeline.repeats) so that the allocator model may skip them once steady.
+    # The copies after the first (which frees the traced micro-batch's leftovers) and before a last one
+    # with frees of its own repeat copy 1 with their keys moved on (Timeline.repeats).
     periodic = range(1, extra - 1 if last_frees else extra)
     for copy in range(extra):
         starts.append(len(out.events))
         keys.append(next_key)
         if copy >= 2 and copy in periodic:
-            shift = next_key - keys[1]
-            out.events += [(k + shift, s) for k, s in out.events[starts[1]:starts[2]]]
-            out.phases += out.phases[starts[1]:starts[2]]
-            for k in range(keys[1], keys[2]):
-                a = out.allocations[k]
-                out.allocations[k + shift] = Allocation(k + shift, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+            _copy_again(out, (starts[1], starts[2]), (keys[1], keys[2]), next_key - keys[1])
             next_key += keys[2] - keys[1]
             previous = {k: v + keys[2] - keys[1] for k, v in previous.items()}
             continue
         fresh = {}
         frees = (last_frees or {}) if copy == extra - 1 else {}
         for i, ((key, sign), phase) in enumerate(zip(window, phases)):
-            for k in frees.get(i, ()):
-                out.events.append((k, -1))
-                out.phases.append(phase)
+            free(frees.get(i, ()), phase)
             if i == forward_end - start:
-                for k in leftovers:
-                    out.events.append((previous[k], -1))
-                    out.phases.append(phase)
+                free([previous[k] for k in leftovers], phase)
             if key in persistent:
                 continue
             if sign > 0:
@@ -300,19 +289,37 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
             out.events.append((fresh[key], sign))
             out.phases.append(phase)
             if sign > 0 and key in gradients:
-                out.events.append((fresh[key], -1))
-                out.phases.append(phase)
-        for k in frees.get(len(window), ()):
-            out.events.append((k, -1))
-            out.phases.append(phases[-1])
+                free([fresh[key]], phase)
+        free(frees.get(len(window), ()), phases[-1])
         previous = {k: fresh[k] for k in leftovers}
     starts.append(len(out.events))
-    for (key, sign), phase in zip(tl.events[update:], tl.phases[update:]):
-        out.events.append((previous.get(key, key), sign))
-        out.phases.append(phase)
+    out.events += [(previous.get(key, key), sign) for key, sign in tl.events[update:]]
+    out.phases += tl.phases[update:]
     if len(periodic) >= 2:
         out.repeats.append((starts[1], starts[2] - starts[1], len(periodic), keys[1] - keys[0], keys[0]))
     return out
+
+
+def _leftovers(window: list, gradients: set, persistent: set) -> list:
+    """What a micro-batch's events (`window`) leave alive besides its gradients and the workspaces;
+    raises when it frees what it did not allocate (it could not be repeated)."""
+    born = {k for k, s in window if s > 0}
+    if any(s < 0 and k not in born for k, s in window):
+        raise RuntimeError("trace: the first micro-batch frees what it did not allocate; cannot repeat it")
+    alive = set()
+    for key, sign in window:
+        (alive.add if sign > 0 else alive.discard)(key)
+    return sorted(alive - gradients - persistent)
+
+
+def _copy_again(out: Timeline, events: tuple[int, int], keys: tuple[int, int], shift: int) -> None:
+    """Append out's events[events[0]:events[1]] again with every key raised by `shift`, and the
+    allocations of the keys in range(*keys) under the raised keys."""
+    out.events += [(k + shift, s) for k, s in out.events[events[0]:events[1]]]
+    out.phases += out.phases[events[0]:events[1]]
+    for k in range(*keys):
+        a = out.allocations[k]
+        out.allocations[k + shift] = Allocation(k + shift, a.nbytes, a.phase, a.op, a.shape, a.dtype)
 
 
 def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: int) -> Timeline:
