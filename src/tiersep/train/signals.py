@@ -39,5 +39,9 @@ def stop_on_signals(flag: StopFlag):
     try:
         yield flag
     finally:
+        # After a scheduler's stop the run is ending with its checkpoint written: a second one (torchrun
+        # forwards the group's SIGTERM to its ranks) is ignored, so that it cannot kill the process
+        # before it has said how it ended (a rank's exit note). Ctrl-C keeps its own rule.
+        stopping = flag.signal in (signal.SIGTERM, signal.SIGUSR1)
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if stopping and s != signal.SIGINT else h)
