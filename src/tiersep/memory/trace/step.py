@@ -29,7 +29,7 @@ from . import allocator
 from .compiled import CompiledStepTracker, compile_now
 from .emulation import CudaEmulation
 from .kernels import CudaKernelMemory
-from .tracker import FORWARD, UPDATE, Allocation, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
+from .tracker import FORWARD, UPDATE, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
 from .workload import build_workload
 from tiersep.model.step import autocast_dtype, train_step
 
@@ -284,7 +284,7 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
             if sign > 0:
                 a = tl.allocations[key]
                 fresh[key] = next_key
-                out.allocations[next_key] = Allocation(next_key, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+                out.allocations[next_key] = a.under(next_key)
                 next_key += 1
             out.events.append((fresh[key], sign))
             out.phases.append(phase)
@@ -319,7 +319,7 @@ def _copy_again(out: Timeline, events: tuple[int, int], keys: tuple[int, int], s
     out.phases += out.phases[events[0]:events[1]]
     for k in range(*keys):
         a = out.allocations[k]
-        out.allocations[k + shift] = Allocation(k + shift, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+        out.allocations[k + shift] = a.under(k + shift)
 
 
 def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: int) -> Timeline:
@@ -350,7 +350,7 @@ def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: i
         for k in born:
             a = tl.allocations[k]
             fresh[k] = next_key
-            out.allocations[next_key] = Allocation(next_key, a.nbytes, a.phase, a.op, a.shape, a.dtype)
+            out.allocations[next_key] = a.under(next_key)
             next_key += 1
         for (key, sign), phase in zip(template, phases):
             out.events.append((fresh[key] if key in fresh else latest[role[key]] if key in role else key, sign))
@@ -397,8 +397,7 @@ def repeat_steps(rec: RecordedStep, steps: int) -> tuple[Timeline, list[int]]:
             if key not in rec.persistent:
                 out.events.append((key + previous if previous else key, -1))
                 out.phases.append(phases[0])
-        out.allocations.update((a.key + shift, Allocation(a.key + shift, a.nbytes, a.phase, a.op, a.shape, a.dtype))
-                               for a in allocations)
+        out.allocations.update((a.key + shift, a.under(a.key + shift)) for a in allocations)
         out.events += [(key + shift, sign) for key, sign in events]
         out.phases += kept_phases
     return out, starts

@@ -52,6 +52,10 @@ class Allocation:
     shape: tuple = ()
     dtype: str = ""
 
+    def under(self, key: int) -> "Allocation":
+        """The same allocation under another key (a repeated micro-batch's or step's)."""
+        return Allocation(key, self.nbytes, self.phase, self.op, self.shape, self.dtype)
+
 
 @dataclass
 class Timeline:
