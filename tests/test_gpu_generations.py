@@ -8,6 +8,7 @@ cards are modelled (their kernels from sdp_utils.cpp, tiersep.gpu_catalogue)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,52 @@ def test_an_sm80_card_traces_the_preset_as_given_but_where_torch_would_not_try_c
                 restated.append((name, precision))
     if not entry.prefers_cudnn:   # every seed tier but small, in both 16-bit types
         assert sorted(restated) == sorted((n, p) for n in SEEDS if n != "small" for p in ("bf16", "fp16")), restated
+
+
+@pytest.mark.parametrize("cudnn, switch, first", [
+    (91900, None, True),     # this project's torch 2.11 cu130 wheel: cuDNN 9.19
+    (91501, None, True),     # 9.15.1, the first that check_prefer_cudnn_attention takes
+    (91500, None, False),    # 9.15.0 and older: a CUDA 12.x wheel's cuDNN
+    (None, None, True),      # a CPU-only torch, planning for a GPU: the cu130 wheels' answer
+    (91900, "1", False),     # TORCH_CUDNN_SDPA_DEPRIORITIZED=1
+    (91900, "0", True),
+])
+def test_hopper_traces_flash_where_this_torch_would_not_try_cudnn_first(monkeypatch, cudnn, switch, first):
+    """check_prefer_cudnn_attention's software half (torch 2.11's sdp_utils.cpp: a runtime cuDNN above
+    91500 and the TORCH_CUDNN_SDPA_DEPRIORITIZED switch not 1): where it says no, an H100 runs flash,
+    as an Ampere card does, so the estimate traces flash (FA2's buffers) and names it."""
+    monkeypatch.setattr(gpu_catalogue, "_runtime_cudnn", lambda: cudnn)
+    if switch is None:
+        monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", switch)
+    h100, a100 = CARDS["h100"], CARDS["a100-40gb"]
+    assert gpu_catalogue.cudnn_attention_first() is first and h100.prefers_cudnn is first
+    assert not a100.prefers_cudnn                                     # Ampere: flash first whatever the cuDNN
+    preset = seed("ultra_safe", **{"train.precision": "bf16"})        # head dim 24: cuDNN takes it
+    cond = decide(preset, "cuda", gpu=h100)
+    applied = cond.applied(preset)
+    assert (applied is preset) is first
+    assert applied["model"]["attention_backend"] == ("auto" if first else "flash")
+    assert cond.traced_kernel(applied) == ("cudnn" if first else "flash")
+
+
+def test_the_deprioritizing_switch_reaches_the_estimate_through_the_cli(tmp_path):
+    """The same switch in a real `tiersep estimate --gpu h100`: the record names flash, its trace ran
+    FA2's backward (two buffers per call, softmax_d and dq_accum, where cuDNN allocates one workspace:
+    more events), and its uncertainty is the Hopper flash class's, not the cuDNN class's."""
+    records = {}
+    for switch in ("0", "1"):
+        out = tmp_path / f"h100-{switch}.json"
+        done = subprocess.run([TIERSEP, "estimate", "--config", "config/config.yaml", "--preset", "ultra_safe",
+                               "--set", "train.precision=bf16", "--gpu", "h100", "--out", str(out)],
+                              cwd=REPO, text=True, capture_output=True, timeout=600,
+                              env={**os.environ, "TORCH_CUDNN_SDPA_DEPRIORITIZED": switch})
+        assert done.returncode == 0, done.stderr[-2000:]
+        records[switch] = json.loads(out.read_text())
+    assert (records["0"]["attention_backend"], records["1"]["attention_backend"]) == ("cudnn", "flash")
+    assert records["1"]["events"] > records["0"]["events"]
+    assert [r["uncertainty_class"]["attention"] for r in records.values()] == ["cudnn", "flash"]
 
 
 def test_estimate_gpu_through_the_cli(tmp_path):

@@ -7,7 +7,8 @@ aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (the 2.11 line):
 - flash: check_flash_attention_hardware_support, sm80..sm121 (check_sm_version<sm80, sm121>);
 - memory-efficient: check_mem_efficient_hardware_support, sm50..sm121;
 - cuDNN: check_cudnn_hardware_support, sm80..sm121 (check_prefer_cudnn_attention puts it first
-  only on sm90, sm100 and sm103 with cuDNN > 9.15; elsewhere flash comes first);
+  only on sm90, sm100 and sm103, with a runtime cuDNN above 9.15.0 and TORCH_CUDNN_SDPA_DEPRIORITIZED
+  not 1; elsewhere flash comes first: `cudnn_attention_first`);
 - math: no hardware check (the fallback every card runs).
 The fused kernels take bf16 only from sm80 (check_dtypes_low_precision: below sm80 fp16 only),
 which is also where bf16 is native in the hardware.
@@ -22,6 +23,8 @@ Each entry says which it is.
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -34,6 +37,9 @@ KERNELS = ("flash", "efficient", "cudnn", "math")   # the order torch tries them
 # check_prefer_cudnn_attention: the capabilities where auto tries cuDNN attention first (torch 2.11's
 # cu130 wheels ship a cuDNN > 9.15, as the H100 and H200 measured here ran)
 CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))
+# ... and the runtime cuDNN it needs: above 9.15.0 (versionRuntimeCuDNN() > 91500; 9.15.1 fixed
+# sequence lengths not divisible by 128). torch 2.11's CUDA 12.x wheels ship an older cuDNN.
+CUDNN_FIRST_ABOVE = 91500
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class GpuEntry:
     @property
     def prefers_cudnn(self) -> bool:
         """Whether torch's `auto` tries cuDNN attention before flash here (Hopper, datacenter Blackwell)."""
-        return tuple(self.capability) in CUDNN_FIRST and "cudnn" in self.kernels
+        return tuple(self.capability) in CUDNN_FIRST and "cudnn" in self.kernels and cudnn_attention_first()
 
     def runs(self, kernel: str, half: str | None) -> bool:
         """Whether torch 2.11 runs SDPA `kernel` here for `half` (bf16, fp16, or None for fp32):
@@ -76,6 +82,28 @@ class GpuEntry:
                 "memory_source": self.memory_source, "capability": list(self.capability),
                 "generation": self.generation, "bf16": self.bf16, "kernels": list(self.kernels),
                 "note": self.note}
+
+
+def cudnn_attention_first() -> bool:
+    """The software half of check_prefer_cudnn_attention: whether this process's torch would try cuDNN
+    attention first on a card that allows it. Not with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (torch's
+    check_env reads 0 or 1), nor with a runtime cuDNN of 9.15.0 or older. Without a cuDNN to ask (a
+    CPU-only torch planning for a GPU), the answer of the pinned torch 2.11 cu130 wheels: yes."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
+        return False
+    version = _runtime_cudnn()
+    return version is None or version > CUDNN_FIRST_ABOVE
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_cudnn() -> int | None:
+    """torch.backends.cudnn.version() (e.g. 91900 for 9.19.0), or None where torch has no cuDNN."""
+    import torch
+
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:   # a broken cuDNN install: torch would not run cuDNN attention either
+        return 0
 
 
 # Architecture names by compute capability: a class of the accuracy evidence is per generation.
