@@ -179,8 +179,8 @@ def test_expandable_best_fit_prefers_a_hole_to_the_growing_end():
 
 
 def test_replay_of_a_timeline_in_both_modes():
-    big = [Allocation(k, (30 + 2 * k) * MIB, SETUP, "op") for k in range(6)]
-    timeline = Timeline(allocations={a.key: a for a in big},
+    big = [Allocation((30 + 2 * k) * MIB, SETUP, "op") for k in range(6)]
+    timeline = Timeline(allocations=dict(enumerate(big)),
                         events=[(0, 1), (1, 1), (0, -1), (2, 1), (1, -1), (3, 1), (2, -1),
                                 (4, 1), (3, -1), (5, 1), (4, -1), (5, -1)])
     native = replay(timeline)

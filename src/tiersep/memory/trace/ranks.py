@@ -162,7 +162,7 @@ def _with_buckets(rec: RecordedStep, bucket_bytes: list[int], dtypes: list, bloc
     keys = set()
     for i, (nbytes, dtype) in enumerate(zip(bucket_bytes, dtypes)):
         size = dtype.itemsize
-        out.allocations[key] = Allocation(key, block(nbytes), SETUP, f"<ddp bucket {i}>", (nbytes // size,),
+        out.allocations[key] = Allocation(block(nbytes), SETUP, f"<ddp bucket {i}>", (nbytes // size,),
                                           str(dtype).replace("torch.", ""))
         out.events.append((key, +1))
         out.phases.append(SETUP)

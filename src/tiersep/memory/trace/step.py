@@ -282,9 +282,8 @@ def _accumulating_copies(tl: Timeline, marks: tuple[int, int, int], extra: int, 
             if key in persistent:
                 continue
             if sign > 0:
-                a = tl.allocations[key]
                 fresh[key] = next_key
-                out.allocations[next_key] = a.under(next_key)
+                out.allocations[next_key] = tl.allocations[key]
                 next_key += 1
             out.events.append((fresh[key], sign))
             out.phases.append(phase)
@@ -317,9 +316,7 @@ def _copy_again(out: Timeline, events: tuple[int, int], keys: tuple[int, int], s
     allocations of the keys in range(*keys) under the raised keys."""
     out.events += [(k + shift, s) for k, s in out.events[events[0]:events[1]]]
     out.phases += out.phases[events[0]:events[1]]
-    for k in range(*keys):
-        a = out.allocations[k]
-        out.allocations[k + shift] = a.under(k + shift)
+    out.allocations.update((k + shift, out.allocations[k]) for k in range(*keys))
 
 
 def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: int) -> Timeline:
@@ -348,9 +345,8 @@ def _more_micro_batches(tl: Timeline, last_two: list[int], update: int, extra: i
     for _ in range(extra):
         fresh = {}
         for k in born:
-            a = tl.allocations[k]
             fresh[k] = next_key
-            out.allocations[next_key] = a.under(next_key)
+            out.allocations[next_key] = tl.allocations[k]
             next_key += 1
         for (key, sign), phase in zip(template, phases):
             out.events.append((fresh[key] if key in fresh else latest[role[key]] if key in role else key, sign))
@@ -383,7 +379,7 @@ def repeat_steps(rec: RecordedStep, steps: int) -> tuple[Timeline, list[int]]:
         kept.append(kept[-1] + c)
     events = [e for e, c in zip(step, copied) if c]
     kept_phases = [ph for ph, c in zip(phases, copied) if c]
-    allocations = [tl.allocations[k] for k, sign in events if sign > 0]
+    allocations = [(k, tl.allocations[k]) for k, sign in events if sign > 0]
     for copy in range(1, steps):
         shift = copy * offset
         previous = (copy - 1) * offset
@@ -397,7 +393,7 @@ def repeat_steps(rec: RecordedStep, steps: int) -> tuple[Timeline, list[int]]:
             if key not in rec.persistent:
                 out.events.append((key + previous if previous else key, -1))
                 out.phases.append(phases[0])
-        out.allocations.update((a.key + shift, a.under(a.key + shift)) for a in allocations)
+        out.allocations.update((k + shift, a) for k, a in allocations)
         out.events += [(key + shift, sign) for key, sign in events]
         out.phases += kept_phases
     return out, starts

@@ -43,18 +43,15 @@ def cpu_block_bytes(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Allocation:
-    key: int
+    """What one allocation is; the timeline's key names it. Frozen, so that a repeated micro-batch's
+    or step's copy of an allocation is the same object under another key (no copying)."""
     nbytes: int          # rounded bytes
     phase: str           # phase of the step when it was allocated
     op: str              # aten op that returned it first ("<registered>" for tensors made earlier)
     shape: tuple = ()
     dtype: str = ""
-
-    def under(self, key: int) -> "Allocation":
-        """The same allocation under another key (a repeated micro-batch's or step's)."""
-        return Allocation(key, self.nbytes, self.phase, self.op, self.shape, self.dtype)
 
 
 @dataclass
@@ -170,7 +167,7 @@ class StorageTracker(TorchDispatchMode):
         nbytes = self.block_bytes(nbytes)
         if nbytes == 0:
             return None
-        key = self._new_key(Allocation(self._next_key, nbytes, self.phase, op))
+        key = self._new_key(Allocation(nbytes, self.phase, op))
         self._internal[name] = key
         return key
 
@@ -200,7 +197,7 @@ class StorageTracker(TorchDispatchMode):
                 return key
         if nbytes == 0:
             return None
-        key = self._new_key(Allocation(self._next_key, nbytes, self.phase, op, tuple(tensor.shape),
+        key = self._new_key(Allocation(nbytes, self.phase, op, tuple(tensor.shape),
                                        str(tensor.dtype).replace("torch.", "")))
         if booked:
             self._booked.add(key)
