@@ -143,6 +143,9 @@ def test_hopper_traces_flash_where_this_torch_would_not_try_cudnn_first(monkeypa
     assert (applied is preset) is first
     assert applied["model"]["attention_backend"] == ("auto" if first else "flash")
     assert cond.traced_kernel(applied) == ("cudnn" if first else "flash")
+    note = cond.gpu_record()["note"]                                  # the record says why
+    assert note is None if first else "does not try cuDNN attention first" in note, note
+    assert decide(preset, "cuda", gpu=a100).gpu_record()["note"] is None
 
 
 def test_the_deprioritizing_switch_reaches_the_estimate_through_the_cli(tmp_path):
@@ -161,6 +164,8 @@ def test_the_deprioritizing_switch_reaches_the_estimate_through_the_cli(tmp_path
     assert (records["0"]["attention_backend"], records["1"]["attention_backend"]) == ("cudnn", "flash")
     assert records["1"]["events"] > records["0"]["events"]
     assert [r["uncertainty_class"]["attention"] for r in records.values()] == ["cudnn", "flash"]
+    assert records["0"]["gpu"]["note"] is None
+    assert "(TORCH_CUDNN_SDPA_DEPRIORITIZED=1)" in records["1"]["gpu"]["note"]
 
 
 def test_estimate_gpu_through_the_cli(tmp_path):

@@ -67,6 +67,14 @@ class GpuEntry:
         """Whether torch's `auto` tries cuDNN attention before flash here (Hopper, datacenter Blackwell)."""
         return tuple(self.capability) in CUDNN_FIRST and "cudnn" in self.kernels and cudnn_attention_first()
 
+    @property
+    def attention_note(self) -> str | None:
+        """Why a card that could try cuDNN attention first is modelled without it here, or None."""
+        why = not_cudnn_first()
+        if why is None or tuple(self.capability) not in CUDNN_FIRST or "cudnn" not in self.kernels:
+            return None
+        return f"this torch does not try cuDNN attention first ({why}): flash modelled where auto runs it"
+
     def runs(self, kernel: str, half: str | None) -> bool:
         """Whether torch 2.11 runs SDPA `kernel` here for `half` (bf16, fp16, or None for fp32):
         flash takes 16-bit inputs only, and below sm80 the fused kernels take fp16 but not bf16
@@ -86,13 +94,20 @@ class GpuEntry:
 
 def cudnn_attention_first() -> bool:
     """The software half of check_prefer_cudnn_attention: whether this process's torch would try cuDNN
-    attention first on a card that allows it. Not with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (torch's
-    check_env reads 0 or 1), nor with a runtime cuDNN of 9.15.0 or older. Without a cuDNN to ask (a
-    CPU-only torch planning for a GPU), the answer of the pinned torch 2.11 cu130 wheels: yes."""
+    attention first on a card that allows it (`not_cudnn_first` says why not)."""
+    return not_cudnn_first() is None
+
+
+def not_cudnn_first() -> str | None:
+    """Why this torch would not try cuDNN attention first, or None: TORCH_CUDNN_SDPA_DEPRIORITIZED=1
+    (torch's check_env reads 0 or 1), or a runtime cuDNN of 9.15.0 or older. Without a cuDNN to ask (a
+    CPU-only torch planning for a GPU), the answer of the pinned torch 2.11 cu130 wheels: it would."""
     if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
-        return False
+        return "TORCH_CUDNN_SDPA_DEPRIORITIZED=1"
     version = _runtime_cudnn()
-    return version is None or version > CUDNN_FIRST_ABOVE
+    if version is None or version > CUDNN_FIRST_ABOVE:
+        return None
+    return f"its cuDNN {version} is not above {CUDNN_FIRST_ABOVE}"
 
 
 @functools.lru_cache(maxsize=1)

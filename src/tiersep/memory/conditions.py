@@ -48,7 +48,9 @@ class Conditions:
         if self.gpu is None:
             return {"name": None, "model": "any sm80+ GPU", "generation": None, "capability": None, "note":
                     "no GPU named, none visible, and the calibration names no known card: an sm80+ card assumed"}
-        return {k: v for k, v in self.gpu.as_record().items() if k in ("name", "model", "generation", "capability", "note")}
+        out = {k: v for k, v in self.gpu.as_record().items() if k in ("name", "model", "generation", "capability")}
+        out["note"] = "; ".join(n for n in (self.gpu.note, self.gpu.attention_note) if n) or None
+        return out
 
     def applied(self, preset: dict) -> dict:
         """`preset` as it runs under these conditions: train.precision resolved (auto), and on a card
