@@ -51,7 +51,9 @@ PLAY_CHECK = """(async () => {
       a.muted = true;
       try {
         await a.play();
-        await new Promise(r => setTimeout(r, 400));
+        // the clock moves once audio is decoded and running: wait for it (a loaded machine is slow)
+        const until = Date.now() + 10000;
+        while (a.currentTime === 0 && Date.now() < until) await new Promise(r => setTimeout(r, 50));
         played = a.currentTime;
         a.pause();
       } catch (e) { playError = String(e); }
