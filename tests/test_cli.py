@@ -43,3 +43,28 @@ def test_set_overrides_are_validated():
         cli.resolve_preset("cpu_tiny", cfg, [("train.lr", -1.0)])
     with pytest.raises(ConfigError, match="no such preset field"):
         cli.resolve_preset("cpu_tiny", cfg, [("train.nope.deeper", 1)])
+
+
+
+# the CLI in a process of its own: whether it refused before `import torch` (3 s here)
+UNKNOWN_PRESET = """
+import sys
+from tiersep import cli
+print(cli.main(sys.argv[1:]), "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "--preset", "nosuch", "--out", "OUT/x.json"],
+    ["estimate", "--preset", "small", "--preset", "nosuch", "--out", "OUT/{preset}.json"],
+    ["estimate", "--inference", "--preset", "nosuch", "--out", "OUT/x.json"],
+    ["fit", "--preset", "nosuch", "--budget", "8", "--out", "OUT/x.yaml"],
+    ["fit", "--preset", "nosuch", "--gpus", "8,t4", "--out", "OUT"],
+], ids=["estimate", "estimate-several", "estimate-inference", "fit", "fit-gpus"])
+def test_an_unknown_preset_is_refused_in_one_line_before_torch_is_imported(argv, tmp_path):
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
+    proc = subprocess.run([sys.executable, "-c", UNKNOWN_PRESET, *argv], capture_output=True, text=True, cwd=REPO)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "preset 'nosuch' not found (known presets: " in proc.stderr
+    assert not (tmp_path / "out").exists()

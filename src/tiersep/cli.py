@@ -162,18 +162,19 @@ def cmd_estimate(args, cfg):
             raise C.ConfigError("--inference: one --preset at a time")
         args.preset, args.out = names[0], args.out.replace("{preset}", C.tier_name(names[0]))
         return cmd_estimate_inference(args, cfg)
+    # every preset resolved first: a bad name is one line before torch is imported (3 s)
+    presets = [(name, resolve_preset(name, cfg, args.set)) for name in names]
     # several presets in one process: the imports and torch's start are paid once (issue 24)
-    for name in names:
-        _estimate_one(args, cfg, name, args.out.replace("{preset}", C.tier_name(name)))
+    for name, preset in presets:
+        _estimate_one(args, cfg, name, preset, args.out.replace("{preset}", C.tier_name(name)))
     return 0
 
 
-def _estimate_one(args, cfg, name: str, out: str) -> None:
+def _estimate_one(args, cfg, name: str, preset: dict, out: str) -> None:
     from tiersep.io import write_json
     from tiersep.memory import GateSettings, estimate
     from tiersep.records import validate_record
 
-    preset = resolve_preset(name, cfg, args.set)
     device = estimate_device(cfg, name, preset, args.device)
     method = args.method or cfg["estimate"]["method"]
     if method == "measure" and device == "cuda":
@@ -236,15 +237,15 @@ def on_card(record: dict) -> str:
 def cmd_fit(args, cfg):
     if args.gpus is not None:
         return cmd_fit_matrix(args, cfg)
-    from tiersep.io import write_text
-    from tiersep.memory.fit import FitSearch, GateSettings, NothingFits
-
     if not args.preset or len(args.preset) > 1:
         raise C.ConfigError("--preset: one preset with --budget (several only with --gpus)")
     if args.out is None:
         raise C.ConfigError("--out: required with --budget (the preset YAML to write)")
     args.preset = args.preset[0]
-    preset = resolve_preset(args.preset, cfg, args.set)
+    preset = resolve_preset(args.preset, cfg, args.set)   # before torch's import: a bad name is one quick line
+    from tiersep.io import write_text
+    from tiersep.memory.fit import FitSearch, GateSettings, NothingFits
+
     device = estimate_device(cfg, args.preset, preset, args.device)
     card, calibration_spec, budget = gpu_target(cfg, args, device)
     budget = budget if card is not None else C.budget_bytes(cfg, args.budget)
@@ -267,16 +268,18 @@ def cmd_fit(args, cfg):
 def cmd_fit_matrix(args, cfg):
     """`fit --gpus`: the nearest fitting variant of each preset for every budget, as a table;
     --json writes the fit_matrix record, --out DIR one preset per cell that fits."""
+    if args.device not in (None, "auto", "cuda"):
+        raise C.ConfigError(f"--device {args.device}: --gpus budgets are GPU memory, estimated for cuda")
+    # presets named on the command line first: a bad name is one line before torch's import (3 s)
+    named = [(C.tier_name(entry), resolve_preset(entry, cfg, args.set)) for entry in args.preset or []]
     from tiersep.io import write_json
     from tiersep.memory.fit import GateSettings
     from tiersep.memory.fit import matrix as fit_matrix
     from tiersep.records import validate_record
 
-    if args.device not in (None, "auto", "cuda"):
-        raise C.ConfigError(f"--device {args.device}: --gpus budgets are GPU memory, estimated for cuda")
     budgets = fit_matrix.parse_budgets(fit_matrix.split_gpus(args.gpus), "--gpus")   # one line when bad
-    entries = args.preset or fit_matrix.config_tiers(cfg)
-    tiers = [(C.tier_name(entry), resolve_preset(entry, cfg, args.set)) for entry in entries]
+    tiers = named or [(C.tier_name(entry), resolve_preset(entry, cfg, args.set))
+                      for entry in fit_matrix.config_tiers(cfg)]
     estimates = _estimate_records(args.estimates, [t for t, _ in tiers])
     record, presets = fit_matrix.build(tiers, budgets, GateSettings.from_config(cfg, args.calibration),
                                        jobs=args.jobs, estimates=estimates)
@@ -358,12 +361,12 @@ def cmd_evaluate(args, cfg):
 
 def cmd_estimate_inference(args, cfg):
     """`estimate --inference`: the memory of separation (one model call on a batch of chunks)."""
+    preset = resolve_preset(args.preset, cfg, args.set)   # before torch's import, as cmd_estimate
     from tiersep.io import write_json
     from tiersep.memory import GateSettings
     from tiersep.memory.inference import estimate_inference
     from tiersep.records import validate_record
 
-    preset = resolve_preset(args.preset, cfg, args.set)
     device = estimate_device(cfg, args.preset, preset, args.device)
     if (args.method or "trace") != "trace":
         raise C.ConfigError(f"--inference: only --method trace models separation (not {args.method})")
