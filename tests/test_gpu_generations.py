@@ -122,6 +122,7 @@ def test_an_sm80_card_traces_the_preset_as_given_but_where_torch_would_not_try_c
     (91501, None, True),     # 9.15.1, the first that check_prefer_cudnn_attention takes
     (91500, None, False),    # 9.15.0 and older: a CUDA 12.x wheel's cuDNN
     (None, None, True),      # a CPU-only torch, planning for a GPU: the cu130 wheels' answer
+    (0, None, False),        # a cuDNN torch cannot read (_runtime_cudnn): no cuDNN attention either
     (91900, "1", False),     # TORCH_CUDNN_SDPA_DEPRIORITIZED=1
     (91900, "0", True),
 ])
@@ -145,6 +146,8 @@ def test_hopper_traces_flash_where_this_torch_would_not_try_cudnn_first(monkeypa
     assert cond.traced_kernel(applied) == ("cudnn" if first else "flash")
     note = cond.gpu_record()["note"]                                  # the record says why
     assert note is None if first else "does not try cuDNN attention first" in note, note
+    why = {0: "its cuDNN cannot be read", 91500: "its cuDNN 91500 is not above 91500"}.get(cudnn, "")
+    assert first or why in note, note
     assert decide(preset, "cuda", gpu=a100).gpu_record()["note"] is None
 
 

@@ -107,7 +107,7 @@ def not_cudnn_first() -> str | None:
     version = _runtime_cudnn()
     if version is None or version > CUDNN_FIRST_ABOVE:
         return None
-    return f"its cuDNN {version} is not above {CUDNN_FIRST_ABOVE}"
+    return f"its cuDNN {version} is not above {CUDNN_FIRST_ABOVE}" if version else "its cuDNN cannot be read"
 
 
 @functools.lru_cache(maxsize=1)
