@@ -539,12 +539,14 @@ class Chromium:
     """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
     the browser reads NUL-terminated JSON commands on fd 3 and answers on fd 4). Standard library only."""
 
-    def __init__(self, binary: str, profile: Path, timeout: float = 20.0):
+    def __init__(self, binary: str, profile: Path, timeout: float = 20.0, start_timeout: float = 120.0):
         import fcntl
         import os
         import subprocess
 
-        self.timeout = timeout
+        # the first reply waits for the browser's own start too: on a loaded 2-core CI machine two
+        # browsers starting at once once took over 20 s (stop 45's CI run)
+        self.timeout, self.start_timeout = timeout, start_timeout
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
 
@@ -576,7 +578,8 @@ class Chromium:
             message["sessionId"] = session
         os.write(self._to_child, json.dumps(message).encode() + b"\0")
         wanted = self._last_id
-        return self._wait(lambda m: m.get("id") == wanted, f"the reply to {method}")
+        return self._wait(lambda m: m.get("id") == wanted, f"the reply to {method}",
+                          self.start_timeout if wanted == 1 else self.timeout)
 
     def wait_event(self, method: str) -> dict:
         for i, event in enumerate(self.events):
@@ -584,17 +587,18 @@ class Chromium:
                 return self.events.pop(i)["params"]
         return self._wait(lambda m: m.get("method") == method, f"event {method}")
 
-    def _wait(self, match, what: str) -> dict:
+    def _wait(self, match, what: str, timeout: float | None = None) -> dict:
         import os
         import select
         import time
 
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while True:
             while b"\0" not in self._buffer:
                 left = deadline - time.monotonic()
                 if left <= 0 or not select.select([self._from_child], [], [], left)[0]:
-                    raise TimeoutError(f"chromium: no {what} within {self.timeout} s")
+                    raise TimeoutError(f"chromium: no {what} within {timeout} s")
                 chunk = os.read(self._from_child, 1 << 20)
                 if not chunk:
                     raise RuntimeError(f"chromium exited: {self.proc.stderr.read().decode()[-2000:]}")
