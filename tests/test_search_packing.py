@@ -43,6 +43,13 @@ lease.release()
 """
 
 
+def rewrite(path: Path, text: str) -> None:
+    """Replace the fake GPUs' file whole: a booker reading it mid-write once got an empty file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 @pytest.fixture
 def machine(tmp_path, monkeypatch):
     """One fake 80 GiB GPU whose state is a file the test may rewrite, and its lease folder."""
@@ -140,12 +147,14 @@ def test_racing_bookers_never_oversubscribe(machine):
     with Monitor() as monitor:
         procs = start_bookers(machine, names, hold=0.6)
         (machine["dir"] / "go").touch()
-        finish(procs, timeout=120)
+        said = finish(procs, timeout=120)
     got = [json.loads((machine["dir"] / f"{n}.json").read_text()) for n in names]
     line = timeline(got)
     assert max(booked for _, booked, _ in line) == 60 and all(booked <= 80 for _, booked, _ in line), line
     assert max(len(live) for _, live in monitor.samples) == 2
-    assert sorted(r["waited"] < 0.4 for r in got).count(True) == 2
+    # two booked at their first try; four had to wait. Read from what each said, not from its clock:
+    # on a loaded CI machine even a first try once took over 0.4 s
+    assert sorted("waiting to book" in said[n] for n in names).count(False) == 2, said
 
 
 def test_memory_left_above_baseline_after_a_trial_blocks_the_next_booking_naming_the_pid(machine):
@@ -160,7 +169,7 @@ def test_memory_left_above_baseline_after_a_trial_blocks_the_next_booking_naming
 
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        machine["fake"].write_text(json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 70 * GIB,
+        rewrite(machine["fake"], json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 70 * GIB,
                                                 "processes": [{"pid": leftover.pid, "name": "wandb-agent",
                                                                "used": 10 * GIB}]}]))
         # a process that books for itself, with a short wait: NoFreeGpu names the pid
@@ -183,7 +192,7 @@ def test_memory_left_above_baseline_after_a_trial_blocks_the_next_booking_naming
     finally:
         leftover.kill()
         leftover.wait()
-    machine["fake"].write_text(json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 80 * GIB}]))
+    rewrite(machine["fake"], json.dumps([{"name": "Fake H100", "total": 80 * GIB, "free": 80 * GIB}]))
     finish(waiter)
     assert json.loads((machine["dir"] / "next.json").read_text())["waited"] >= 1.0
 
@@ -210,7 +219,7 @@ def test_the_post_mortems_trials_in_a_row_on_one_gpu_with_hyperband(machine, tmp
     from tiersep.memory import GateSettings, gate
     from tiersep.search.packing import booking_bytes
 
-    machine["fake"].write_text(json.dumps([{"name": "Fake small GPU", "total": int(2.5 * GIB),
+    rewrite(machine["fake"], json.dumps([{"name": "Fake small GPU", "total": int(2.5 * GIB),
                                             "free": int(2.5 * GIB)}]))
     ws = search_workspace(tmp_path / "ws")
     preset = yaml.safe_load(ws["base_file"].read_text())

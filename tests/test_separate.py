@@ -383,15 +383,21 @@ def test_a_killed_run_leaves_no_stem_and_the_next_run_cleans_up(ws, tmp_path):
     out = tmp_path / "out"
     cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]), str(long_song),
            "--out", str(out), "--chunk", "1", "--batch", "1", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    log = tmp_path / "separate.log"        # what the run said, for a failure's message
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     deadline = time.time() + 120
     while not temporaries(out) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     time.sleep(1.0)                                           # well into the song
+    running = proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert temporaries(out) and not list(out.rglob("*.wav"))  # only tiersep's temporaries
+    said = log.read_text()[-3000:]
+    # a CI run once found no temporary here: say whether the run had ended by itself, and what it said
+    assert running, f"separate ended before it was killed (exit {proc.returncode}):\n{said}"
+    assert temporaries(out) and not list(out.rglob("*.wav")), said   # only tiersep's temporaries
     again = run(ws, str(long_song), "--out", str(out), "--chunk", "2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "removed" in again.stderr and "temporary file(s) a killed job left" in again.stderr
