@@ -16,6 +16,8 @@ import pytest
 
 from test_gpu_lease import finish, wait_for
 from tiersep import gpu_info, gpu_lease
+# the fake GPUs' file is replaced whole: a booker reading it mid-write once got an empty file
+from tiersep.io import write_text as rewrite
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[1]
@@ -41,13 +43,6 @@ record["releasing"] = time.time()
 out.write_text(json.dumps(record))
 lease.release()
 """
-
-
-def rewrite(path: Path, text: str) -> None:
-    """Replace the fake GPUs' file whole: a booker reading it mid-write once got an empty file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 @pytest.fixture
