@@ -68,3 +68,32 @@ def test_an_unknown_preset_is_refused_in_one_line_before_torch_is_imported(argv,
     assert proc.stderr.strip().count("\n") == 0
     assert "preset 'nosuch' not found (known presets: " in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--preset", "cpu_tiny", "--data", "NOPE", "--out", "OUT"],
+     "NOPE/manifest.json: not found; is NOPE a folder written by `tiersep prepare`?"),
+    (["evaluate", "--preset", "cpu_tiny", "--model", "NOPE/model.pt", "--data", "NOPE", "--out", "OUT"],
+     "NOPE/model.pt: model file not found"),
+    (["evaluate", "--preset", "cpu_tiny", "--model", "MODEL", "--data", "NOPE", "--out", "OUT"],
+     "NOPE/manifest.json: not found"),
+    (["evaluate", "--preset", "cpu_tiny", "--model", "NOPE/model.pt", "--data", "NOPE", "--out", "MODEL"],
+     "--out MODEL: is a file, not a folder"),
+], ids=["train-data", "evaluate-model", "evaluate-data", "evaluate-out"])
+def test_a_missing_input_of_train_or_evaluate_is_refused_before_torch_is_imported(argv, says, tmp_path):
+    """Train's memory gate traces a step (seconds) and evaluate imports torch before they read
+    their inputs: a missing --data or --model is refused before either, in one line."""
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"not read: only its presence is checked first")
+    paths = {"NOPE": str(tmp_path / "nope"), "OUT": str(tmp_path / "out"), "MODEL": str(model)}
+
+    def swap(text: str) -> str:
+        for name, path in paths.items():
+            text = text.replace(name, path)
+        return text
+
+    proc = subprocess.run([sys.executable, "-c", UNKNOWN_PRESET, *map(swap, argv)], capture_output=True, text=True,
+                          cwd=REPO)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and swap(says) in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -340,8 +340,23 @@ def load_trainer():
     return train
 
 
+def prepared_folder(data: str) -> None:
+    """A --data folder without the manifest `tiersep prepare` writes is refused in one line, before
+    torch is imported and before train's memory gate (seconds of tracing) runs."""
+    from tiersep.data.tracks import load_manifest
+
+    load_manifest(data)
+
+
+def model_file(model: str) -> None:
+    """A --model path that is not a file: the one-line refusal model/weights.py gives, before torch."""
+    if not Path(model).is_file():
+        raise C.ConfigError(f"{model}: model file not found")
+
+
 def cmd_train(args, cfg):
     preset = resolve_preset(args.preset, cfg, args.set)
+    prepared_folder(args.data)
     t = preset["train"]
     lease_gpu(t["device"], "train", count=max(1, t.get("ranks", 1) // t.get("nodes", 1)))
     train = load_trainer()   # after the lease: nothing may start CUDA before it
@@ -351,7 +366,13 @@ def cmd_train(args, cfg):
 
 
 def cmd_evaluate(args, cfg):
+    from tiersep.evaluate.schema import EVAL_FILES
+    from tiersep.outputs import check, only_names
+
     preset = resolve_preset(args.preset, cfg, args.set)
+    check(Path(args.out), "evaluate", known=only_names(EVAL_FILES))   # evaluate's own order: --out, --model, --data
+    model_file(args.model)
+    prepared_folder(args.data)
     lease_gpu(preset["train"]["device"], "evaluate")
     from tiersep.evaluate.run import evaluate   # after the lease, as in cmd_train
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from tiersep.config import ConfigError
 from tiersep.device import choose_device
 from tiersep.evaluate import listen, metrics
+from tiersep.evaluate.schema import EVAL_FILES
 from tiersep.evaluate.scoring import (TrackTask, aggregate_scores, available_cores, museval_peak_bytes,
                                       resolve_workers, score_tracks, write_scores)
 from tiersep.gpu_lease import current_record as gpu_lease_record
@@ -54,8 +55,6 @@ def resolve_device(preset: dict) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
-# What evaluate writes into its folder (one holding nothing else, without a stamp, is adopted).
-EVAL_FILES = {"scores.json", "museval", "estimates", "listen"}
 
 
 def evaluate(cfg: dict, preset: dict, model_path: Path, data_dir: Path, out_dir: Path) -> dict:

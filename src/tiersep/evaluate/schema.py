@@ -12,6 +12,8 @@ from pathlib import Path
 from tiersep import records
 
 SCORES_SCHEMA = records.schema("scores")
+# What evaluate writes into its folder (one holding nothing else, without a stamp, is adopted).
+EVAL_FILES = {"scores.json", "museval", "estimates", "listen"}
 
 
 def validate_scores(scores: dict, path: str | Path = "scores.json") -> None:
