@@ -130,6 +130,8 @@ def test_evaluate_with_a_damaged_model_file_is_one_line(tmp_path):
     model = tmp_path / "model.pt"
     torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "preset": {}, "step": 1}, model)
     truncate(model)
+    (tmp_path / "data").mkdir()    # the model is read before any track: a manifest is all it needs here,
+    (tmp_path / "data" / "manifest.json").write_text("{}")   # and a missing one is refused first
     proc = subprocess.run([sys.executable, "-m", "tiersep.cli", "evaluate", "--config", str(TINY_CONFIG),
                            "--preset", "test_tiny", "--model", str(model), "--data", str(tmp_path / "data"),
                            "--out", str(tmp_path / "eval")], cwd=REPO, capture_output=True, text=True,

@@ -21,7 +21,7 @@ from tiersep.memory.trace.tracker import StorageTracker, cpu_block_bytes
 from tiersep.model import build_model
 from tiersep.separate.plan import SeparationRequest, choose, estimate_for
 from tiersep.separate.resample import StreamResampler
-from tiersep.separate.run import Options, check_options, render
+from tiersep.separate.options import Options, check_options, render
 from tiersep.separate.song import shift_delays
 
 REPO = Path(__file__).resolve().parents[1]

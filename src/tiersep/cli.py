@@ -342,7 +342,7 @@ def load_trainer():
 
 def prepared_folder(data: str) -> None:
     """A --data folder without the manifest `tiersep prepare` writes is refused in one line, before
-    torch is imported and before train's memory gate (seconds of tracing) runs."""
+    torch is imported (train checks it itself, before its memory gate)."""
     from tiersep.data.tracks import load_manifest
 
     load_manifest(data)
@@ -356,7 +356,6 @@ def model_file(model: str) -> None:
 
 def cmd_train(args, cfg):
     preset = resolve_preset(args.preset, cfg, args.set)
-    prepared_folder(args.data)
     t = preset["train"]
     lease_gpu(t["device"], "train", count=max(1, t.get("ranks", 1) // t.get("nodes", 1)))
     train = load_trainer()   # after the lease: nothing may start CUDA before it
@@ -408,15 +407,18 @@ def cmd_estimate_inference(args, cfg):
 
 
 def cmd_separate(args, cfg):
-    from tiersep.separate.run import options_from, separate
+    from tiersep.separate.options import options_from, preflight
 
     preset = resolve_preset(args.preset, cfg) if args.preset else None
     opts = options_from(cfg, model=args.model, inputs=args.inputs, out=args.out, preset=preset,
                         stems=args.stems, budget_gib=args.budget, device=args.device, overlap=args.overlap,
                         shifts=args.shifts, seed=args.seed, format=args.format, bits=args.bits,
                         clip=args.clip, filename=args.filename, chunk_seconds=args.chunk, max_batch=args.batch)
+    songs = preflight(opts)                      # before the lease and torch's import
     lease_gpu(opts.device, "separate")
-    summary = separate(cfg, opts)
+    from tiersep.separate.run import separate
+
+    summary = separate(cfg, opts, songs)
     print(f"separated {len(summary['songs'])} song(s) into {args.out}")
     return 0
 

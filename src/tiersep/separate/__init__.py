@@ -6,5 +6,6 @@ plan.py    the device, the budget, and the chunk and batch that fit it (memory/i
 overlap_add.py  the chunked overlap-add engine (OverlapAdd, ShiftAverage); evaluate uses it too
 song.py    one song through decode -> resample -> OverlapAdd -> resample back -> stem files
 stems.py   the stem files of one song: temporaries, clipping, renamed together
-run.py     the command: checks up front, the plan, the loop over songs, the JSON sidecars
+options.py the command's options and the checks before any work (torch-free: the CLI runs them first)
+run.py     the command: the plan, the loop over songs, the JSON sidecars
 """

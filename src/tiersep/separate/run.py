@@ -16,10 +16,8 @@ import contextlib
 import copy
 import errno
 import os
-import string
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,17 +27,17 @@ from tiersep.config import ConfigError
 from tiersep.gpu_lease import current_record as gpu_lease_record
 from tiersep.memory import GateSettings
 from tiersep.memory.constants import GIB
-from tiersep.outputs import LOCK_INSIDE, STAMP, OutputRefused, check, check_writable, claim, exclusive
+from tiersep.outputs import LOCK_INSIDE, STAMP, OutputRefused, claim, exclusive
 from tiersep.gpu_catalogue import BF16_SM
 from tiersep.model.step import resolve_precision
 
-from .audio import BITS, FORMATS, SongError, find_songs, probe, song_name
+from .audio import SongError, probe, song_name
+from .options import Options, preflight, render
 from .plan import BLOCK_FRAMES, SeparationRequest, budget_for, choose, separation_device
 from .progress import SongProgress
 from .song import StreamSettings, complement_name, separate_song
 from .stems import SongFiles, disk_bytes
 
-TEMPLATE_FIELDS = ("song", "songext", "stem", "ext")
 SIDECAR = {"stem": "separate", "ext": "json"}     # the sidecar's path: the template with these
 SIDECAR_KEY = "<sidecar>"                          # its entry among a song's output paths
 BAND_NOTE_SHARE = 1e-4      # a band above the model's with this share of the energy (-40 dB) is noted
@@ -47,69 +45,6 @@ BAND_NOTE_SHARE = 1e-4      # a band above the model's with this share of the en
 
 class SongsFailed(ConfigError):
     """Some songs could not be separated (the others were written); exit 2, one line naming them."""
-
-
-@dataclass
-class Options:
-    model: Path
-    inputs: list
-    out: Path
-    preset: dict | None         # check the model against this preset (else: the model's own)
-    stems: str | None           # two-stem mode: this stem and its complement
-    budget_gib: float | None    # None: the free memory of the device
-    device: str
-    overlap: float
-    shifts: int
-    seed: int
-    format: str
-    bits: str
-    clip: str
-    filename: str
-    chunk_seconds: float        # the longest chunk tried
-    min_chunk_seconds: float
-    max_batch: int
-
-
-def options_from(cfg: dict, **given) -> Options:
-    """Options from the CLI (`given`; None = not given) over the config's `separate` section."""
-    section = cfg["separate"]
-    defaults = {"stems": section["stems"], "device": section["device"], "overlap": section["overlap"],
-                "shifts": section["shifts"], "seed": section["seed"], "format": section["format"],
-                "bits": str(section["bits"]), "clip": section["clip"], "filename": section["filename"],
-                "chunk_seconds": section["chunk_seconds"], "min_chunk_seconds": section["min_chunk_seconds"],
-                "max_batch": section["max_batch"],
-                "budget_gib": None if section["budget_gib"] == "auto" else section["budget_gib"]}
-    merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
-    merged.setdefault("preset", None)
-    merged["model"], merged["out"] = Path(merged["model"]), Path(merged["out"])
-    return Options(**merged)
-
-
-def check_options(opts: Options) -> None:
-    """Refuse impossible combinations and a bad --filename before anything is done."""
-    if opts.format not in FORMATS or opts.bits not in BITS:
-        raise ConfigError(f"--format {opts.format} --bits {opts.bits}: allowed formats {', '.join(FORMATS)}, "
-                          f"bits {', '.join(BITS)}")
-    if opts.format == "flac" and opts.bits == "32f":
-        raise ConfigError("--bits 32f: flac holds integer samples; use --bits 16 or 24, or --format wav")
-    fields = {name for _, name, _, _ in string.Formatter().parse(opts.filename) if name is not None}
-    unknown = sorted(fields - set(TEMPLATE_FIELDS))
-    if unknown or not {"stem"} <= fields or not fields & {"song", "songext"}:
-        raise ConfigError(f"--filename {opts.filename!r}: use the fields {{song}} and {{stem}} (and optionally "
-                          f"{{songext}}, {{ext}}); {'unknown: ' + ', '.join(unknown) if unknown else 'one is missing'}")
-    render(opts.filename, "song", "wav", "vocals", "wav")
-
-
-def render(template: str, song: str, songext: str, stem: str, ext: str) -> Path:
-    """The relative output path of one file; a path leaving the output folder is refused."""
-    try:
-        text = template.format(song=song, songext=songext, stem=stem, ext=ext)
-    except (ValueError, IndexError, KeyError) as err:
-        raise ConfigError(f"--filename {template!r}: not a valid template ({err})") from None
-    path = Path(text)
-    if path.is_absolute() or not path.parts or any(p in ("", ".", "..") for p in path.parts):
-        raise ConfigError(f"--filename {template!r}: gives {text!r}, which is not a path inside --out")
-    return path
 
 
 def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Module, dict, int | None]:
@@ -127,13 +62,10 @@ def load_separator(model_path: Path, preset: dict | None) -> tuple[torch.nn.Modu
     return model, preset, step
 
 
-def separate(cfg: dict, opts: Options) -> dict:
-    """Separate every song of opts.inputs into opts.out (see module docstring); returns the summary."""
-    check_options(opts)
-    check_inputs_outside_out(opts)
-    songs = find_songs(opts.inputs, skip=opts.out)
-    check(opts.out, "separate")                        # a refused folder before any work
-    check_writable(opts.out)
+def separate(cfg: dict, opts: Options, songs: list[Path] | None = None) -> dict:
+    """Separate every song of opts.inputs into opts.out (see module docstring); returns the summary.
+    `songs`: what preflight(opts) returned, when the caller ran it already (the CLI, before torch)."""
+    songs = preflight(opts) if songs is None else songs
     with _held(opts.out):                              # a second writer stops here, before its model loads
         return _separate(cfg, opts, songs)
 
@@ -216,17 +148,6 @@ def _separate(cfg: dict, opts: Options, songs: list[Path]) -> dict:
     if failures:
         raise _failed(failures, len(songs))
     return {"songs": records, "chunk_samples": plan.chunk_samples, "batch": plan.batch}
-
-
-def check_inputs_outside_out(opts: Options) -> None:
-    """An INPUT folder that is --out, or inside it, is refused: stems are never songs."""
-    out = os.path.realpath(opts.out)
-    for given in opts.inputs:
-        where = os.path.realpath(Path(given).expanduser())
-        if Path(given).expanduser().is_dir() and (where == out or where.startswith(out.rstrip(os.sep) + os.sep)):
-            inside = "is" if where == out else "is inside"
-            raise ConfigError(f"--out {opts.out}: the INPUT folder {given} {inside} it; give the stems a folder "
-                              "of their own (it may be inside the INPUT folder)")
 
 
 def _probe_songs(songs: list[Path], opts: Options, names: list[str]) -> tuple[dict, dict, dict]:

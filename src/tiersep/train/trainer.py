@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tiersep.config import ConfigError
+from tiersep.data.tracks import load_manifest
 from tiersep.io import write_json
 from tiersep.malloc import release_heap
 from tiersep.outputs import claim, exclusive, only_names
@@ -62,6 +63,7 @@ def train(cfg: dict, preset: dict, data_dir, out_dir, resume: bool = False, esti
     problem = tracking_problem(cfg)   # at job start, never mid-run
     if problem:
         raise TrackingError(problem)
+    load_manifest(data_dir)           # a folder prepare did not write: one line, before the gate's trace
     job = TrainJob(cfg, preset, Path(data_dir), Path(out_dir), resume, estimate_path, attempt, outcome_path)
     try:
         if distributed.is_data_parallel(preset):
