@@ -27,6 +27,18 @@ def copy_workflow(dest: Path) -> Path:
     return dest
 
 
+def tiny_config(dest: Path, **changes) -> Path:
+    """tests/configs/tiny.yaml with `changes` (top-level keys) written to `dest`, without its
+    estimate-only seed tier unless `estimate_tiers` is among them: every rule still runs, and the
+    estimate and fit_matrix jobs trace no `large` (tests/test_pipeline_e2e.py covers its record)."""
+    import yaml
+
+    config = yaml.safe_load(TINY_CONFIG.read_text())
+    config.update({"estimate_tiers": [], **changes})
+    dest.write_text(yaml.safe_dump(config))
+    return dest
+
+
 def run_snakemake(workdir: Path, *args: str, timeout: float = 600, env: dict | None = None,
                   check: bool = True, program: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run the real snakemake CLI in `workdir` (or `program`, a command that runs it); returns the

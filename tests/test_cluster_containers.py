@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import BIN, REPO, copy_workflow, run_snakemake, tiny_config
 
 DEF_FILE = REPO / "containers" / "tiersep.def"
 ENV_FILE = REPO / "envs" / "tiersep.yaml"
@@ -134,11 +134,7 @@ def test_pipeline_runs_every_rule_through_apptainer_with_nv(tmp_path):
     image.write_bytes(b"placeholder: the stand-in only checks that the image exists")
     log = tmp_path / "apptainer_calls.jsonl"
     env = {"PATH": _stub_env(log)["PATH"], "TIERSEP_APPTAINER_LOG": str(log)}
-    # the tiny pipeline without its estimate-only seed tier, as the SLURM test runs it: every rule
-    # still runs in the container; `large`'s traces (~20 s of CPU) are the end-to-end test's
-    config = yaml.safe_load(TINY_CONFIG.read_text())
-    config["estimate_tiers"] = []
-    (workdir / "apptainer-tiny.yaml").write_text(yaml.safe_dump(config))
+    tiny_config(workdir / "apptainer-tiny.yaml")   # every rule in the container; no `large` traced
     started = time.monotonic()
     proc = run_snakemake(workdir, "--profile", str(workdir / "profiles" / "apptainer"),
                          "--configfile", "apptainer-tiny.yaml", "--cores", "2",

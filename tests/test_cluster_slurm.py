@@ -22,7 +22,7 @@ import time
 import pytest
 import yaml
 
-from conftest import REPO, TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import REPO, copy_workflow, run_snakemake, tiny_config
 
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "srun")
@@ -75,12 +75,7 @@ def test_profile_configures_squeue_status_requeue_and_leaves_resources_to_the_ru
 @pytest.mark.slow
 def test_pipeline_runs_on_slurm_with_every_job_through_sbatch(slurm_cluster, tmp_path):
     workdir = copy_workflow(tmp_path / "wf")
-    # the tiny pipeline without its estimate-only seed tier: every rule still runs, each as an sbatch
-    # job, and the estimate and fit_matrix jobs trace one small preset instead of also `large` (the
-    # local end-to-end test covers large's record)
-    config = yaml.safe_load(TINY_CONFIG.read_text())
-    config["estimate_tiers"] = []
-    (workdir / "slurm-tiny.yaml").write_text(yaml.safe_dump(config))
+    tiny_config(workdir / "slurm-tiny.yaml")   # every rule, each as an sbatch job; no `large` traced
     started = time.monotonic()
     # The profile as users get it; test-only overrides: poll squeue every 2 s (the first after 2 s
     # instead of 40 s), and keep the SLURM logs of successful jobs so the test can look at them.
@@ -144,9 +139,7 @@ def test_a_two_rank_cpu_tier_trains_in_one_sbatch_job(slurm_cluster, tmp_path):
     preset["name"] = "test_tiny_ddp"
     preset["train"].update({"ranks": 2, "batch_size": 1, "device": "cpu"})
     (workdir / "tests" / "configs" / "presets" / "test_tiny_ddp.yaml").write_text(yaml.safe_dump(preset))
-    config = yaml.safe_load(TINY_CONFIG.read_text())
-    config.update({"tiers": ["test_tiny_ddp"], "estimate_tiers": []})
-    (workdir / "ddp.yaml").write_text(yaml.safe_dump(config))
+    tiny_config(workdir / "ddp.yaml", tiers=["test_tiny_ddp"])
     target = "results/train/test_tiny_ddp/outcome.json"
     proc = run_snakemake(workdir, "--profile", str(workdir / "profiles" / "slurm"), "--configfile", "ddp.yaml",
                          "--slurm-init-seconds-before-status-checks", "2", target, timeout=600, env=slurm_cluster,

@@ -215,16 +215,14 @@ def _crash_workflow(tmp_path: Path) -> tuple[Path, list[str]]:
     """A workflow copy whose one tier trains long enough to be killed mid-run, and its command."""
     import yaml
 
-    from conftest import copy_workflow
+    from conftest import copy_workflow, tiny_config
 
     wf = copy_workflow(tmp_path / "wf")
     preset = yaml.safe_load((wf / "tests/configs/presets/test_tiny.yaml").read_text())
     preset["name"] = "crash_tiny"
     preset["train"].update(steps=40, checkpoint_every=5, validate_every=20)
     (wf / "tests/configs/presets/crash_tiny.yaml").write_text(yaml.safe_dump(preset))
-    cfg = yaml.safe_load(TINY_CONFIG.read_text())
-    cfg.update(tiers=["crash_tiny"], estimate_tiers=[])
-    (wf / "crash.yaml").write_text(yaml.safe_dump(cfg))
+    tiny_config(wf / "crash.yaml", tiers=["crash_tiny"])
     return wf, ["--cores", "2", "--resources", "gpu=1", "--configfile", "crash.yaml"]
 
 
