@@ -35,6 +35,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[cluster]'
+	@# torch and torchaudio are separate wheels: a pair that does not load together stops here, in one line
+	@$(BIN)/python -c "import torchaudio.functional" 2>/dev/null || { echo "setup: torchaudio does not load with this torch ($$($(BIN)/python -m pip list 2>/dev/null | grep -E '^torch(audio)? ' | tr -s ' ' | paste -sd, -)); pyproject.toml pins the pair" >&2; exit 1; }
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
