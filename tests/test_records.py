@@ -110,10 +110,14 @@ def test_a_real_estimate_follows_the_schema(single_thread):
 
 
 def test_a_real_refusal_follows_the_schema(tmp_path, single_thread):
-    """The trainer refuses a GPU-sized preset on this CPU before touching data: a real failure.json."""
+    """The trainer refuses a GPU-sized preset on this CPU before it reads a track: a real failure.json.
+    It reads the data folder's manifest first (a folder prepare did not write is refused before the
+    gate), so the folder has one and nothing else."""
     from tiersep.train.trainer import EXIT_REFUSED, train
 
     cfg = tiny_config()
-    assert train(cfg, C.load_preset("large", cfg), tmp_path / "no-data", tmp_path / "out") == EXIT_REFUSED
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text("{}")
+    assert train(cfg, C.load_preset("large", cfg), tmp_path / "data", tmp_path / "out") == EXIT_REFUSED
     record = read_record("failure", tmp_path / "out" / "failure.json")
     assert record["kind"] == "refused" and "GPU-sized" in record["message"]
