@@ -340,20 +340,6 @@ def load_trainer():
     return train
 
 
-def prepared_folder(data: str) -> None:
-    """A --data folder without the manifest `tiersep prepare` writes is refused in one line, before
-    torch is imported (train checks it itself, before its memory gate)."""
-    from tiersep.data.tracks import load_manifest
-
-    load_manifest(data)
-
-
-def model_file(model: str) -> None:
-    """A --model path that is not a file: the one-line refusal model/weights.py gives, before torch."""
-    if not Path(model).is_file():
-        raise C.ConfigError(f"{model}: model file not found")
-
-
 def cmd_train(args, cfg):
     preset = resolve_preset(args.preset, cfg, args.set)
     t = preset["train"]
@@ -365,13 +351,16 @@ def cmd_train(args, cfg):
 
 
 def cmd_evaluate(args, cfg):
+    from tiersep.data.tracks import load_manifest
     from tiersep.evaluate.schema import EVAL_FILES
     from tiersep.outputs import check, only_names
+    from tiersep.separate.options import require_model_file
 
     preset = resolve_preset(args.preset, cfg, args.set)
-    check(Path(args.out), "evaluate", known=only_names(EVAL_FILES))   # evaluate's own order: --out, --model, --data
-    model_file(args.model)
-    prepared_folder(args.data)
+    # before torch and the lease, in evaluate's own order: --out, --model, --data (prepare's manifest)
+    check(Path(args.out), "evaluate", known=only_names(EVAL_FILES))
+    require_model_file(args.model)
+    load_manifest(args.data)
     lease_gpu(preset["train"]["device"], "evaluate")
     from tiersep.evaluate.run import evaluate   # after the lease, as in cmd_train
 

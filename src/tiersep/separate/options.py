@@ -97,6 +97,12 @@ def preflight(opts: Options) -> list[Path]:
     songs = find_songs(opts.inputs, skip=opts.out)
     check(opts.out, "separate")
     check_writable(opts.out)
-    if not opts.model.is_file():
-        raise ConfigError(f"{opts.model}: model file not found")   # model/weights.py's words
+    require_model_file(opts.model)
     return songs
+
+
+def require_model_file(path) -> None:
+    """model/weights.py's refusal of a --model that is not a file, without importing torch (separate's
+    preflight and evaluate's CLI check it before their lease and torch)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{path}: model file not found")
