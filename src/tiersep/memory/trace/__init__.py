@@ -11,6 +11,7 @@ attention.py  the SDPA kernel CUDA picks for a preset (modelled_backend) and mod
 kernels.py    CudaKernelMemory: what CUDA kernels allocate that CPU kernels do not (workspaces...)
 compiled.py   the compiled (torch.compile) step: its graphs' memory, traced
 ranks.py      data-parallel ranks: what DistributedDataParallel adds to a rank's step
+depth.py      a deep preset's step from a trace of five blocks, each event tagged with its block
 workload.py   the model, loss, optimizer and inputs a traced or measured step runs on
 """
 from . import allocator, ranks

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import warnings
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import allocator
 from .compiled import CompiledStepTracker, compile_now
+from .depth import TEMPLATE, TRACED_BLOCKS, BlockCounts, BlockTagger, CannotExtend, extend, tagging
 from .emulation import CudaEmulation
 from .kernels import CudaKernelMemory
 from .tracker import FORWARD, UPDATE, StorageTracker, Timeline, cpu_block_bytes, cuda_block_bytes
@@ -143,22 +145,61 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
     of the torch.compile'd model, memory/trace/compiled.py). `sync_frees` ({event index: [keys]}, filled
     while the first micro-batch is traced): frees that happen in the step's last micro-batch only,
     before the traced micro-batch's event of that index (memory/trace/ranks.py: DistributedDataParallel
-    moves each gradient into its bucket in the micro-batch that synchronises)."""
+    moves each gradient into its bucket in the micro-batch that synchronises).
+    A deeper preset than depth.TRACED_BLOCKS (cuda, eager, one rank, the model tiersep builds) is traced
+    with that many blocks and extended to its depth, event for event (memory/trace/depth.py); where the
+    blocks do not repeat as the extension needs, the whole depth is traced."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: {device!r} (allowed: cuda, cpu)")
+    target = preset["model"]["n_layers"]
+    if device == "cuda" and not compiled and sync_frees is None and model_and_loss is None and target > TRACED_BLOCKS:
+        shallow = deepcopy(preset)
+        shallow["model"]["n_layers"] = TRACED_BLOCKS
+        try:
+            return _finish(_extended(_trace(shallow, device, None, workspace_bytes, tagged=True), target), None)
+        except CannotExtend:
+            pass
+    return _finish(_trace(preset, device, model_and_loss, workspace_bytes, compiled), sync_frees)
+
+
+@dataclass
+class _Traced:
+    """What record_step's trace gives before the untraced micro-batches are derived."""
+    timeline: Timeline
+    step_start: int
+    parameters: int
+    keys: dict                      # weights, optimizer, host, inputs, gradients, ema: sets of keys
+    starts: list                    # each traced forward's first event, and the event after its last
+    ends: list
+    micro_batches: int
+    traced: int
+    emulation: CudaEmulation | None
+    tracker: StorageTracker
+    blocks: BlockCounts | None = None   # the template block's kernel calls (tagged traces)
+    template_parameters: int = 0
+
+
+def _trace(preset: dict, device: str, model_and_loss, workspace_bytes: int, compiled: bool = False,
+           tagged: bool = False) -> _Traced:
+    """The setup and the traced micro-batches of one step (`tagged`: with each event's block, depth.py)."""
     half = autocast_dtype(preset["train"]["precision"])   # fp16's GradScaler: untraced scalars (its .item())
     emulation = CudaEmulation(preset["model"]["attention_backend"]) if device == "cuda" else None
     kernels = CudaKernelMemory(workspace_bytes) if device == "cuda" else None
-    tracker = (CompiledStepTracker if compiled else StorageTracker)(
+    tracker = (BlockTagger if tagged else CompiledStepTracker if compiled else StorageTracker)(
         cuda_block_bytes if device == "cuda" else cpu_block_bytes, op_model=kernels)
     tracker.recording = False
 
-    with _fresh_fake_mode():
+    with _fresh_fake_mode(), contextlib.ExitStack() as outer:
         torch.manual_seed(0)
         # the model is built on the host; the device sees its weights arrive one by one
         from tiersep.model import build_loss, build_model
 
         built = model_and_loss(preset) if model_and_loss else (build_model(preset), build_loss(preset))
+        blocks = None
+        if tagged:
+            if not hasattr(built[0], "blocks"):
+                raise CannotExtend("the model has no blocks")
+            blocks = outer.enter_context(tagging(built[0], tracker, emulation))
 
         def build(p):
             tracker.register([x for x in move_order(built[0]) if x is not None])
@@ -171,11 +212,11 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
         ema = {tracker.key_of(x) for x in work.ema.params} if work.ema else set()
         if work.ema:   # the traced step is one that averages (train.ema.every > 1 skips some)
             work.ema.steps = work.ema.every - 1
-        weights = {tracker.key_of(x) for x in params + list(model.buffers())} | ema
-        optimizer_keys = {tracker.key_of(x) for x in work.optimizer_state()}
-        host = {tracker.key_of(s["step"]) for s in optimizer.state.values()
-                if isinstance(s.get("step"), torch.Tensor)} if device == "cuda" else set()
-        inputs = {tracker.key_of(x) for pair in work.inputs for x in pair}
+        keys = {"weights": {tracker.key_of(x) for x in params + list(model.buffers())} | ema,
+                "optimizer": {tracker.key_of(x) for x in work.optimizer_state()},
+                "host": {tracker.key_of(s["step"]) for s in optimizer.state.values()
+                         if isinstance(s.get("step"), torch.Tensor)} if device == "cuda" else set(),
+                "inputs": {tracker.key_of(x) for pair in work.inputs for x in pair}, "ema": ema}
         step_start = len(tracker.timeline.events)
         traced = min(len(work.inputs), TRACED_MICRO_BATCHES)
         starts, ends = [], []       # each forward's first and last event
@@ -187,15 +228,36 @@ def record_step(preset: dict, device: str = "cuda", model_and_loss=None,
             stack.enter_context(holder.tracking(tracker) if holder else contextlib.nullcontext())
             train_step(step_model, work.loss_fn, optimizer, work.inputs[:traced], preset, device, ema=work.ema)
         tracker.stop()
-        gradients = {tracker.key_of(p.grad) for p in params if p.grad is not None}
+        keys["gradients"] = {tracker.key_of(p.grad) for p in params if p.grad is not None}
+        template = sum(p.numel() for p in model.blocks[TEMPLATE].parameters()) if tagged else 0
+    return _Traced(tracker.timeline, step_start, sum(p.numel() for p in params), keys, starts, ends,
+                   len(work.inputs), traced, emulation, tracker, blocks, template)
 
-    timeline = tracker.timeline
+
+def _extended(t: _Traced, target: int) -> _Traced:
+    """`t` (a tagged trace of TRACED_BLOCKS blocks) as the trace of `target` blocks (depth.extend)."""
+    extra = target - TRACED_BLOCKS
+    tracker = t.tracker
+    ext = extend(t.timeline, tracker.tags, tracker.owner, tracker.aggregates, TRACED_BLOCKS, target)
+    keys = {name: keys | {c for k in keys for c in ext.copies.get(k, ())} for name, keys in t.keys.items()}
+    if t.emulation is not None:
+        for kind, n in t.blocks.kernels.items():
+            t.emulation.kernels_used[kind] += extra * n
+    return _Traced(ext.timeline, ext.index[t.step_start], t.parameters + extra * t.template_parameters, keys,
+                   [ext.index[i] for i in t.starts], [ext.index[i] for i in t.ends], t.micro_batches, t.traced,
+                   t.emulation, tracker)
+
+
+def _finish(t: _Traced, sync_frees: dict | None) -> RecordedStep:
+    """The RecordedStep of a trace: the untraced micro-batches derived, the keys' sets named."""
+    timeline = t.timeline
     persistent = {k for k, a in timeline.allocations.items() if a.op.startswith("<cublas workspace")}
-    timeline = _all_micro_batches(timeline, starts, ends, len(work.inputs), traced, gradients, persistent,
+    gradients = t.keys["gradients"]
+    timeline = _all_micro_batches(timeline, t.starts, t.ends, t.micro_batches, t.traced, gradients, persistent,
                                   sync_frees)
-    return RecordedStep(timeline, step_start, sum(p.numel() for p in params), weights - {None},
-                        optimizer_keys - {None}, host - {None}, inputs - {None}, gradients - {None},
-                        persistent, traced, emulation, ema - {None})
+    k = {name: keys - {None} for name, keys in t.keys.items()}
+    return RecordedStep(timeline, t.step_start, t.parameters, k["weights"], k["optimizer"], k["host"], k["inputs"],
+                        k["gradients"], persistent, t.traced, t.emulation, k["ema"])
 
 
 def _all_micro_batches(timeline: Timeline, starts: list, ends: list, micro_batches: int, traced: int,

@@ -140,26 +140,37 @@ class StorageTracker(TorchDispatchMode):
             elif self.phase == BACKWARD:
                 self.phase = UPDATE
             name = func.__name__ if hasattr(func, "__name__") else str(func)
-            outputs = tree_flatten(out)[0]
-            plan = self.op_model(func, args, kwargs or {}, outputs, self) if self.op_model else None
-            done = set()
-            for step in plan or ():
-                if step[0] == "out":
-                    done.add(step[1])
-                    self._see(outputs[step[1]], name, step[2] if len(step) > 2 else None)
-                elif step[0] == "accumulate":
-                    done.add(step[1])
-                    new, old = self._see(outputs[step[1]], name), self.key_of(step[2])
-                    if new is not None and old is not None:
-                        self._reuse = (new, old, weakref.ref(outputs[step[1]].untyped_storage()))
-                elif step[0] == "alloc":
-                    self.internal(step[1], step[2], step[3] if len(step) > 3 else f"<{step[1]}> {name}")
-                else:
-                    self.release(step[1])
-            for i, value in enumerate(outputs):
-                if i not in done and isinstance(value, torch.Tensor):
-                    self._see(value, name)
+            self._record(func, name, args, kwargs or {}, tree_flatten(out)[0])
         return out
+
+    def _record(self, func, name: str, args, kwargs, outputs: list) -> None:
+        """Record what one op allocated and freed: its op model's plan, then its other outputs."""
+        plan = self.op_model(func, args, kwargs, outputs, self) if self.op_model else None
+        done = set()
+        for step in plan or ():
+            if step[0] == "out":
+                done.add(step[1])
+                self._seeing(step[1])
+                self._see(outputs[step[1]], name, step[2] if len(step) > 2 else None)
+            elif step[0] == "accumulate":
+                done.add(step[1])
+                self._seeing(step[1])
+                new, old = self._see(outputs[step[1]], name), self.key_of(step[2])
+                if new is not None and old is not None:
+                    self._reuse = (new, old, weakref.ref(outputs[step[1]].untyped_storage()))
+            elif step[0] == "alloc":
+                self._seeing(-1)
+                self.internal(step[1], step[2], step[3] if len(step) > 3 else f"<{step[1]}> {name}")
+            else:
+                self.release(step[1])
+        for i, value in enumerate(outputs):
+            if i not in done and isinstance(value, torch.Tensor):
+                self._seeing(i)
+                self._see(value, name)
+
+    def _seeing(self, index: int) -> None:
+        """Called before the op's output `index` (-1: a kernel-internal buffer) is recorded: a
+        subclass's hook (memory/trace/depth.py tags each allocation with its block)."""
 
     # -- kernel-internal buffers (op models) ----------------------------------------------------
     def internal(self, name: str, nbytes: int, op: str) -> int | None:
