@@ -147,7 +147,10 @@ def extensions(monkeypatch):
     ("xlarge", {}),
     # checkpointed bf16 on the flash kernel, micro-batches of 2
     ("large", {"model.checkpointing": True, "train.precision": "bf16", "train.batch_size": 2, "train.grad_accum": 4}),
-], ids=["xlarge-frugal-fp16", "xlarge-written", "large-ckpt-bf16"])
+    # fp32 math attention, the EMA copy of the weights, no checkpointing, 2 micro-batches
+    ("xlarge", {"train.precision": "fp32", "model.attention_backend": "math", "train.ema": {"decay": 0.999, "every": 1},
+                "train.batch_size": 1, "train.grad_accum": 2}),
+], ids=["xlarge-frugal-fp16", "xlarge-written", "large-ckpt-bf16", "xlarge-fp32-math-ema"])
 def test_a_deep_tier_extended_from_five_blocks_is_its_full_depth_trace(name, fields, extensions):
     preset = preset_of(name, **fields)
     extended = record_step(preset, "cuda")
