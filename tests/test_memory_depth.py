@@ -7,6 +7,8 @@ and `extend` alone against made-up stacks of identical blocks written out at eac
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from tiersep.memory.trace import depth, record_step, step, summarize
 from tiersep.memory.trace.tracker import Allocation, Timeline, cuda_block_bytes
 from tiersep.model import build_loss, build_model
 
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "depth_extension.py"
 SEGMENT = 22016     # a short segment: the events of a step do not depend on its length, its bytes do
 
 
@@ -70,13 +73,14 @@ class MadeUp:
         self.tags.append(tag)
 
 
-def canonical(timeline: Timeline) -> list[tuple]:
-    names: dict = {}
-    out = []
-    for key, sign in timeline.events:
-        a = timeline.allocations[key]
-        out.append((names.setdefault(key, len(names)), sign, a.nbytes, a.op, a.phase, a.shape))
-    return out
+def _bench():
+    spec = importlib.util.spec_from_file_location("depth_extension", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+canonical = _bench().canonical     # the bench's: keys renamed in order of first appearance
 
 
 @pytest.mark.parametrize("target", [6, 8, 12])

@@ -91,12 +91,17 @@ class BlockTagger(StorageTracker):
         elements = [self.block_of(x) for x in listed] if listed is not None and not per_element and here is None else []
         spans = len(set(elements) - {None}) > 1       # an op over many blocks' tensors: its own
 
+        found = []                       # the block of the first tagged argument, looked up once per op
+
         def tag_of(i):
             if here is not None or spans:
                 return here
             if per_element and 0 <= i < len(listed):
                 return self.block_of(listed[i])
-            return next((b for v in tree_flatten((args, kwargs))[0] if (b := self.block_of(v)) is not None), None)
+            if not found:
+                found.append(next((b for v in tree_flatten((args, kwargs))[0]
+                                   if (b := self.block_of(v)) is not None), None))
+            return found[0]
 
         self._tag_of = tag_of
         super()._record(func, name, args, kwargs, outputs)
@@ -143,8 +148,8 @@ def tagging(model: torch.nn.Module, tracker: BlockTagger, emulation=None):
 
         def pre(module, args, i=i):
             tracker.blocks.append(i)
-            starts.append((torch._C._autograd._get_sequence_nr(),
-                           dict(emulation.kernels_used) if emulation is not None else {}))
+            counting = i == TEMPLATE and emulation is not None
+            starts.append((torch._C._autograd._get_sequence_nr(), dict(emulation.kernels_used) if counting else {}))
 
         def post(module, args, output, i=i):
             tracker.blocks.pop()
@@ -186,8 +191,8 @@ def _roles(tl: Timeline, owner: dict) -> tuple[dict, dict]:
             counts[o] = roles[key] + 1
 
     def labels(o):
-        return [(lambda a: (a.nbytes, a.op, a.phase, a.shape, a.dtype))(tl.allocations[by_owner[(o, r)]])
-                for r in range(counts.get(o, 0))]
+        allocations = (tl.allocations[by_owner[(o, r)]] for r in range(counts.get(o, 0)))
+        return [(a.nbytes, a.op, a.phase, a.shape, a.dtype) for a in allocations]
 
     for o in (TEMPLATE - 1, TEMPLATE + 1):
         if labels(o) != labels(TEMPLATE):
