@@ -124,6 +124,10 @@ DTYPE_CLASSES = [
     ("held-out ultra_safe fp16 ckpt", "ultra_safe", {**FP16, **CKPT, "train.grad_accum": 1}, "measure", "expandable"),
     ("held-out small bf16 ckpt b2", "small", {**CKPT, "train.batch_size": 2}, "measure", "native"),
     ("held-out small bf16 ckpt", "small", CKPT, "measure", "expandable"),
+    # that last one proved to be small_bf16_ckpt of 2026-11-22 again (in sample), so flash bf16
+    # checkpointed with expandable segments still had no row out of sample (2026-11-28): two that differ
+    ("held-out small bf16 ckpt b3", "small", {**CKPT, "train.batch_size": 3}, "measure", "expandable"),
+    ("held-out small bf16 ckpt 1s", "small", {**CKPT, "audio.segment_samples": 44032}, "measure", "expandable"),
 ]
 JOBS = HELD_OUT + DTYPE_CLASSES + [
     ("calibrate", None, {}, "calibrate", "native"),
