@@ -128,6 +128,11 @@ DTYPE_CLASSES = [
     # checkpointed with expandable segments still had no row out of sample (2026-11-28): two that differ
     ("held-out small bf16 ckpt b3", "small", {**CKPT, "train.batch_size": 3}, "measure", "expandable"),
     ("held-out small bf16 ckpt 1s", "small", {**CKPT, "audio.segment_samples": 44032}, "measure", "expandable"),
+    # the one eager Hopper class left without a row (flash fp16 checkpointed, native allocator), and a
+    # deep tier unchecked, which the estimate traces with five blocks of its eight (trace/depth.py)
+    ("held-out small fp16 ckpt", "small", {**FP16, **CKPT}, "measure", "native"),
+    ("held-out large bf16 1s", "large", {"train.precision": "bf16", "audio.segment_samples": 44032,
+                                         "train.grad_accum": 1}, "measure", "expandable"),
 ]
 JOBS = HELD_OUT + DTYPE_CLASSES + [
     ("calibrate", None, {}, "calibrate", "native"),
