@@ -114,7 +114,8 @@ def test_the_shared_configurations_are_all_here():
     assert modes.count(("h200-2026-11-26", False)) == 10 and modes.count(("h200-2026-11-26", True)) == 5
     assert modes.count(("h200-2026-11-27", False)) == 13 and modes.count(("h200-2026-11-27", True)) == 12
     assert modes.count(("h100-2026-11-27", False)) == 16 and modes.count(("h100-2026-11-27", True)) == 10
-    assert sum(bool(r.get("held_out")) for r in ROWS) == 8 + 25 + 21
+    assert modes.count(("h200-2026-11-28", False)) == 3 and modes.count(("h200-2026-11-28", True)) == 6
+    assert sum(bool(r.get("held_out")) for r in ROWS) == 8 + 25 + 21 + 9
     assert len({evidence.row_id(r) for r in ROWS}) == len(ROWS), "two measured rows share an id"
     assert set(KNOWN_GAPS) <= {evidence.row_id(r) for r in ROWS}, "a known gap names no measured row"
 

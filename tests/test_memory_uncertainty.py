@@ -150,10 +150,14 @@ def test_a_class_with_no_out_of_sample_row_books_the_conservative_figure_and_say
 
 def test_the_shipped_evidence_books_only_out_of_sample_errors():
     """accuracy_evidence.json as the estimate reads it: each class's uncertainty is computed from its
-    out-of-sample errors, and the six rows of the logged configurations have none."""
+    out-of-sample errors, and the seven rows of the logged configurations have none: one of them,
+    `held-out small bf16 ckpt` (H200, 2026-11-28), repeats small_bf16_ckpt, whose log the rules were
+    read off, so it is not counted held out either."""
     classes = accuracy.load_evidence().values()
-    in_sample = [c["name"] for e in classes for c in e["configurations"] if c["out_of_sample_error"] is None]
-    assert len(in_sample) == 6, in_sample
+    in_sample = [c for e in classes for c in e["configurations"] if c["out_of_sample_error"] is None]
+    assert len(in_sample) == 7, [c["name"] for c in in_sample]
+    assert "held-out small bf16 ckpt" in [c["name"] for c in in_sample]
+    assert not any(c["held_out"] for c in in_sample)
     for entry in classes:
         errors = [c["out_of_sample_error"] for c in entry["configurations"] if c["out_of_sample_error"] is not None]
         assert entry["uncertainty"] == (accuracy.uncertainty_of_errors(errors) if errors

@@ -201,7 +201,8 @@ def build(rows: list[dict], records: dict, rules_from: list[tuple] | None = None
             {"name": row["name"], "measured": f"{row['folder']}/{row['source']}",
              "allocated_error": errors["allocated"], "reserved_error": errors["reserved"],
              "device_error": errors["device"], "out_of_sample_error": oos_error, "fitted_on": fitted,
-             "held_out": bool(row.get("held_out"))})
+             # a job named held out that repeats a configuration the rules were read off is in sample
+             "held_out": bool(row.get("held_out")) and oos_error is not None})
         if oos_error is not None:
             judged.setdefault(key, []).append((configuration(row), oos_error))
     out = []
