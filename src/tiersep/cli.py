@@ -341,7 +341,10 @@ def load_trainer():
 
 
 def cmd_train(args, cfg):
+    from tiersep.data.tracks import load_manifest
+
     preset = resolve_preset(args.preset, cfg, args.set)
+    load_manifest(args.data)   # a folder prepare did not write: one line, before torch and the lease
     t = preset["train"]
     lease_gpu(t["device"], "train", count=max(1, t.get("ranks", 1) // t.get("nodes", 1)))
     train = load_trainer()   # after the lease: nothing may start CUDA before it
