@@ -1,8 +1,8 @@
 """Where a fit matrix's time goes: the cost of one trace, by tier, by lever and by depth.
 
-    python bench/trace_cost.py [--presets xlarge large] [--layers 1 2 4 8 12] [--rows] [--traces TIER]
+    python bench/trace_cost.py [--presets xlarge large] [--layers 1 2 4 8 12] [--rows] [--traces TIER] [--profile TIER]
 
-Prints Markdown, three tables (each trace run after a warm-up trace of the same preset, in this
+Prints Markdown tables (each trace run after a warm-up trace of the same preset, in this
 process, one torch thread as the matrix's workers use):
 1. per tier: the preset as written and its most frugal variant (checkpointing, micro-batch 1,
    the 16-bit lever): the events a step records and the seconds of record_step (the step on fake
@@ -19,6 +19,8 @@ process, one torch thread as the matrix's workers use):
    micro-batch 1, a 1 s segment) with 3 blocks differs from the one with 2, event by event
    ((alloc|free, op, bytes, phase) compared with difflib): what a trace of few blocks would have to
    insert to stand for a deeper one; and which of the deeper one's frees the alignment explains.
+6. with --profile TIER: where TIER's catalogue row spends its CPU, by cProfile's cumulative time of the
+   parts a faster trace would have to shrink (they overlap).
 """
 from __future__ import annotations
 
@@ -166,6 +168,45 @@ def row_traces(preset: dict, cfg: dict) -> list[str]:
                       f"the rest {total - sum(traced):.1f} s."])
 
 
+# (label, file suffix, function) whose cumulative time --profile reports; they overlap (the cache key and
+# AdamW are inside record_step, record_step and summarize inside the row)
+PROFILED = [
+    ("the row (matrix.row)", "memory/fit/matrix.py", "row"),
+    ("record_step: the step on fake tensors", "memory/trace/step.py", "record_step"),
+    ("  building the workload: model, weights, AdamW's setup step", "memory/trace/workload.py", "build_workload"),
+    ("  AdamW's steps (the setup's and the step's)", "torch/optim/adam.py", "step"),
+    ("  the backward", "torch/autograd/graph.py", "_engine_run_backward"),
+    ("  FakeTensor's dispatch-cache key (every op)", "torch/_subclasses/fake_tensor.py", "_cache_key"),
+    ("  FakeTensor's dispatch on a cache miss", "torch/_subclasses/fake_tensor.py", "_dispatch_impl"),
+    ("summarize: three steps replayed", "memory/trace/step.py", "summarize"),
+    ("  the allocator model's replay", "memory/trace/allocator.py", "replay"),
+]
+
+
+def profile_row(preset: dict, cfg: dict) -> list[str]:
+    """Table rows: where the CPU of TIER's catalogue row goes (cProfile's cumulative seconds of the
+    functions in PROFILED, and their share of the row's)."""
+    import cProfile
+    import pstats
+
+    from tiersep import gpu_catalogue
+    from tiersep.memory.fit import matrix
+    from tiersep.memory.fit.settings import GateSettings
+
+    budgets = matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
+    profiler = cProfile.Profile()
+    profiler.runcall(matrix.row, preset["name"], preset, budgets, GateSettings.from_config(cfg))
+    stats = pstats.Stats(profiler).stats    # (file, line, function) -> (calls, primitive, tottime, cumtime, callers)
+    seconds = {label: sum(v[3] for (path, _, fn), v in stats.items() if path.endswith(suffix) and fn == name)
+               for label, suffix, name in PROFILED}
+    calls = {label: sum(v[1] for (path, _, fn), v in stats.items() if path.endswith(suffix) and fn == name)
+             for label, suffix, name in PROFILED}
+    whole = seconds[PROFILED[0][0]]
+    return (["| where | calls | seconds (cumulative, profiled) | share of the row |", "|---|---:|---:|---:|"]
+            + [f"| {label} | {calls[label]} | {seconds[label]:.1f} | {seconds[label] / whole:.0%} |"
+               for label, _, _ in PROFILED])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="*", default=SEEDS, help="table 1's tiers (none: no table 1)")
@@ -175,6 +216,7 @@ def main() -> int:
     parser.add_argument("--diff", metavar="TIER", help="diff TIER's 2- and 3-block timelines (table 5)")
     parser.add_argument("--diff-unchecked", action="store_true", help="--diff without checkpointing")
     parser.add_argument("--traces", metavar="TIER", help="each trace of TIER's catalogue row (table 4)")
+    parser.add_argument("--profile", metavar="TIER", help="where TIER's catalogue row spends its CPU (table 6)")
     args = parser.parse_args()
     import torch
 
@@ -222,6 +264,11 @@ def main() -> int:
     if args.traces:
         print(f"\nEvery trace of {args.traces}'s row against the whole catalogue, in order:\n")
         print("\n".join(row_traces(C.load_preset(args.traces, cfg), cfg)))
+
+    if args.profile:
+        print(f"\nWhere {args.profile}'s row against the whole catalogue spends its CPU (cProfile; "
+              "profiling slows it):\n")
+        print("\n".join(profile_row(C.load_preset(args.profile, cfg), cfg)))
 
     if args.rows:
         from tiersep import gpu_catalogue
