@@ -190,10 +190,13 @@ def test_the_wait_times_out_with_one_line_and_exit_6(machine):
     (machine["dir"] / "go").touch()
     wait_for(machine["dir"] / "holder.holding")
     out = machine["dir"] / "run"
+    data = machine["dir"] / "data"   # a prepared folder's manifest: train checks it before the lease
+    data.mkdir(exist_ok=True)
+    (data / "manifest.json").write_text("{}")
     try:
         began = time.time()
         proc = subprocess.run([sys.executable, "-m", "tiersep.cli", "train", "--preset", "cpu_tiny",
-                               "--data", str(machine["dir"] / "data"), "--out", str(out), "--set", "train.device=cuda"],
+                               "--data", str(data), "--out", str(out), "--set", "train.device=cuda"],
                               cwd=REPO, env={**machine["env"], **env, gpu_lease.TIMEOUT_ENV: "0.5"},
                               capture_output=True, text=True, timeout=120)
     finally:

@@ -201,10 +201,13 @@ def test_wandb_offline_logs_the_same_curves_and_the_preset(ws, tmp_path):
 
 
 def cli_error(tmp_path: Path, config_file: Path, prelude: str = "", env: dict | None = None):
-    """`tiersep train` in a real subprocess (after `prelude`): (exit code, stderr, the run folder)."""
-    out = tmp_path / "run"
+    """`tiersep train` in a real subprocess (after `prelude`): (exit code, stderr, the run folder).
+    Its --data has a manifest (checked first) and nothing else: tracking is checked before data is read."""
+    out, data = tmp_path / "run", tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "manifest.json").write_text("{}")
     argv = ["train", "--config", str(config_file), "--preset", "train_test_tiny",
-            "--data", str(tmp_path / "absent"), "--out", str(out)]
+            "--data", str(data), "--out", str(out)]
     code = f"{prelude}\nimport sys\nfrom tiersep.cli import main\nsys.exit(main({argv!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, **(env or {})}, timeout=120)
