@@ -116,12 +116,19 @@ def key_roles(fewer, more, opcodes) -> list[str]:
     return rows + [f"| {a} | {b} | {c} | {n} |" for (a, b, c), n in sorted(counts.items())]
 
 
+def catalogue_budgets() -> list:
+    """Every GPU of the catalogue as a budget, as `tiersep fit --gpus catalogue` makes them."""
+    from tiersep import gpu_catalogue
+    from tiersep.memory.fit import matrix
+
+    return matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
+
+
 def row_traces(preset: dict, cfg: dict) -> list[str]:
     """Table rows: each trace `memory/fit/matrix.row` runs for `preset` against the catalogue (the
     cell that asked for it, the variant, record_step and summarize seconds), then the row's total."""
     import importlib
 
-    from tiersep import gpu_catalogue
     from tiersep.memory.fit import matrix
     from tiersep.memory.fit.settings import GateSettings
     from tiersep.memory.trace import step
@@ -157,7 +164,7 @@ def row_traces(preset: dict, cfg: dict) -> list[str]:
     step.record_step, step.summarize = timed("record", step.record_step), timed("summarize", step.summarize)
     search.estimate, matrix.settings_for = estimate, settings_for
     try:
-        budgets = matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
+        budgets = catalogue_budgets()
         start = time.perf_counter()
         matrix.row(preset["name"], preset, budgets, GateSettings.from_config(cfg))
         total = time.perf_counter() - start
@@ -189,22 +196,19 @@ def profile_row(preset: dict, cfg: dict) -> list[str]:
     import cProfile
     import pstats
 
-    from tiersep import gpu_catalogue
     from tiersep.memory.fit import matrix
     from tiersep.memory.fit.settings import GateSettings
 
-    budgets = matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
     profiler = cProfile.Profile()
-    profiler.runcall(matrix.row, preset["name"], preset, budgets, GateSettings.from_config(cfg))
-    stats = pstats.Stats(profiler).stats    # (file, line, function) -> (calls, primitive, tottime, cumtime, callers)
-    seconds = {label: sum(v[3] for (path, _, fn), v in stats.items() if path.endswith(suffix) and fn == name)
-               for label, suffix, name in PROFILED}
-    calls = {label: sum(v[1] for (path, _, fn), v in stats.items() if path.endswith(suffix) and fn == name)
-             for label, suffix, name in PROFILED}
-    whole = seconds[PROFILED[0][0]]
+    profiler.runcall(matrix.row, preset["name"], preset, catalogue_budgets(), GateSettings.from_config(cfg))
+    stats = pstats.Stats(profiler).stats    # (file, line, function) -> (primitive calls, calls, tottime, cumtime, callers)
+    found = []                              # (label, calls, cumulative seconds)
+    for label, suffix, name in PROFILED:
+        hits = [v for (path, _, fn), v in stats.items() if path.endswith(suffix) and fn == name]
+        found.append((label, sum(v[1] for v in hits), sum(v[3] for v in hits)))
+    whole = found[0][2]
     return (["| where | calls | seconds (cumulative, profiled) | share of the row |", "|---|---:|---:|---:|"]
-            + [f"| {label} | {calls[label]} | {seconds[label]:.1f} | {seconds[label] / whole:.0%} |"
-               for label, _, _ in PROFILED])
+            + [f"| {label} | {calls} | {seconds:.1f} | {seconds / whole:.0%} |" for label, calls, seconds in found])
 
 
 def main() -> int:
@@ -271,11 +275,10 @@ def main() -> int:
         print("\n".join(profile_row(C.load_preset(args.profile, cfg), cfg)))
 
     if args.rows:
-        from tiersep import gpu_catalogue
         from tiersep.memory.fit import matrix
         from tiersep.memory.fit.settings import GateSettings
 
-        budgets = matrix.parse_budgets(list(gpu_catalogue.by_name()), "--gpus")
+        budgets = catalogue_budgets()
         settings = GateSettings.from_config(cfg)
         print("\nEach tier's row against the whole catalogue, alone in this process:\n")
         print("| tier | traces | seconds | seconds per trace |")

@@ -46,9 +46,8 @@ def test_set_overrides_are_validated():
 
 
 
-# the CLI in a process of its own: whether it refused before `import torch` (3 s here), and, for
-# train (which imports torch with its trainer), whether its memory gate ran (it traces a step)
-# the exit code, and whether torch was imported (a trace, the gate's or any, needs it)
+# the CLI in a process of its own: its exit code, and whether it refused before `import torch` (3 s
+# here); a trace, train's memory gate's or any other, needs torch
 CLI_IN_A_PROCESS = """
 import sys
 from tiersep import cli
