@@ -276,17 +276,54 @@ def _all_micro_batches(timeline: Timeline, starts: list, ends: list, micro_batch
     return _with_frees(timeline, sync_frees) if sync_frees else timeline
 
 
+MAX_CACHED_OPS = 200_000   # entries of FakeTensorMode's dispatch cache kept across traces (~1 KiB each)
+
+
 @contextlib.contextmanager
 def _fresh_fake_mode():
-    """FakeTensorMode as a fresh process has it. It caches op results across instances, and a cache
-    hit builds a compact storage for a view (hann_window's periodic narrow), so a trace after
-    another would book less than the same trace in a fresh process: every trace starts from an
-    empty cache."""
-    FakeTensorMode.cache_clear()
+    """FakeTensorMode as a fresh process has it, but for its dispatch cache's hits. The cache is
+    shared by every instance, and its hits are what make a tier's later traces cheaper (the same
+    weights, AdamW's state and most shapes again). A hit builds a compact storage for its output,
+    and a miss keeps the storage the op made (hann_window's periodic narrow of a window one sample
+    longer): only entries where the two are alike are kept, so a trace books what it would in a
+    fresh process, op for op."""
+    _keep_what_a_miss_gives()
     with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*autocast.*")
         yield
+
+
+def _keep_what_a_miss_gives() -> None:
+    """Drop the FakeTensorMode cache's entries whose hit gives another storage than a miss (all of
+    them past MAX_CACHED_OPS: a long process, such as a search, does not grow without bound)."""
+    cache = FakeTensorMode.cache
+    if len(cache) > MAX_CACHED_OPS:
+        FakeTensorMode.cache_clear()
+    for key in [key for key, entry in cache.items() if not _hit_is_a_miss(entry)]:
+        del cache[key]
+
+
+def _hit_is_a_miss(entry) -> bool:
+    """Whether a hit on `entry` gives the storage a miss gives. A hit makes a tensor that is not a
+    view of an argument with empty_strided (the least storage its shape and strides need, from
+    offset 0); an argument, a view of one and a constant are what a miss gives. A bypass entry
+    (no output_infos) dispatches as a miss does."""
+    for info in getattr(entry, "output_infos", ()):
+        meta = info.metadata
+        if meta is None or info.view_idx is not None:
+            continue
+        if meta.storage_offset != 0 or meta.storage_bytes != _least_storage_bytes(meta.shape, meta.stride,
+                                                                                   meta.dtype):
+            return False
+    return True
+
+
+def _least_storage_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
+    """The bytes empty_strided allocates for `shape` and `stride` (at::detail::computeStorageNbytes)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return (1 + sum((size - 1) * step for size, step in zip(shape, stride))) * dtype.itemsize
 
 
 def _with_frees(tl: Timeline, frees: dict) -> Timeline:
