@@ -4,12 +4,16 @@ tiers and the default 8 budgets (issue 22's target: under 60 s on 2 CPUs), again
 
     python bench/fit_matrix.py [--presets ...] [--gpus 8,12,16,24,40,48,80,96] [--jobs 2 1] [--singles 2]
     python bench/fit_matrix.py --gpus catalogue --singles 0     # issue 31: every GPU of the catalogue
+    python bench/fit_matrix.py --gpus catalogue --jobs 2 --per-tier 2 --singles 0   # and one call per tier
 
 Prints Markdown: the machine (CPU, cores, load average before and after: on a shared machine the
 first thing to read), torch, the wall time of each matrix run (process start included; one per
 --jobs value) and its CPU time (what an idle machine's wall time would be, divided by the processes
 that overlap), its traces, the matrix, and the agreement of every cell with its single `fit` (run
---singles processes at a time; 0: not checked, and the output says so). Exit 1 when a cell disagrees.
+--singles processes at a time; 0: not checked, and the output says so). With --per-tier J, also one
+`tiersep fit --preset P --gpus ... --jobs J` per tier, in a row (the other way issue 31 times): their
+summed wall and CPU time, and whether each call's row is the matrix's, cell for cell. Exit 1 when a
+cell disagrees.
 A GPU of the catalogue is checked against `tiersep fit --gpu NAME` (its kernels and precision).
 """
 from __future__ import annotations
@@ -59,6 +63,23 @@ def run_matrix(presets: list[str], gpus: str, jobs: int, out: Path) -> tuple[flo
     return time.time() - start, cpu_seconds() - cpu, json.loads((out / "fit_matrix.json").read_text())
 
 
+def per_tier_calls(presets: list[str], gpus: str, jobs: int, tmp: Path, record: dict) -> bool:
+    """One `tiersep fit --preset P --gpus` per tier, in a row: prints their summed times as a row of
+    the table; whether every call's row is the matrix's (`record`), cell for cell."""
+    seconds = cpu = traces = 0.0
+    differ = []
+    for tier, matrix_row in zip(presets, record["tiers"]):
+        wall, used, result = run_matrix([tier], gpus, jobs, tmp / f"tier_{tier}")
+        seconds, cpu, traces = seconds + wall, cpu + used, traces + result["traces"]
+        if result["tiers"][0]["cells"] != matrix_row["cells"]:
+            differ.append(tier)
+    print(f"| {jobs} in each of {len(presets)} per-tier calls, in a row | {seconds:.1f} | {cpu:.1f} | {traces:.0f} | "
+          f"{os.getloadavg()[0]:.1f} |")
+    print("\nThe per-tier calls' rows are the matrix's, cell for cell." if not differ else
+          f"\n**The per-tier calls' rows differ from the matrix's: {', '.join(differ)}.**")
+    return not differ
+
+
 def single(tier: str, budget: dict, out: Path) -> dict:
     """One `tiersep fit --budget` of a cell: its exit code, the preset it wrote and its printed peak."""
     path = out / f"{tier}_{budget['bytes']}.yaml"
@@ -90,6 +111,7 @@ def main() -> int:
     parser.add_argument("--gpus", default=GPUS)
     parser.add_argument("--jobs", nargs="+", type=int, default=[2, 1], help="matrix runs, one per value")
     parser.add_argument("--singles", type=int, default=2, help="single fit processes at a time")
+    parser.add_argument("--per-tier", type=int, metavar="J", help="also one call per tier, with --jobs J")
     args = parser.parse_args()
     import torch
 
@@ -115,6 +137,10 @@ def main() -> int:
             if record is None:   # the cells checked below: the first run's
                 record, first_out = result, out
             print(f"| {jobs} | {seconds:.1f} | {cpu:.1f} | {result['traces']} | {os.getloadavg()[0]:.1f} |")
+        if args.per_tier:
+            same = per_tier_calls(args.presets, args.gpus, args.per_tier, tmp, record)
+            if not same:
+                return 1
         sys.path.insert(0, str(ROOT / "src"))
         from tiersep.memory.fit.matrix import table_lines
 

@@ -197,3 +197,32 @@ def test_the_workflows_own_estimate_spares_the_first_trace():
                    {"calibration": dict(record["calibration"], source="my.json")},
                    {"allocator": {"expandable_segments": False}}, {"torch": "2.10.0"}):
         assert not search.reusable({**record, **change}), change
+
+
+def test_one_tier_searches_its_card_families_in_two_processes_with_one_processs_cells(tmp_path):
+    """`--jobs 2` with one tier: its budgets by family (matrix.units: the preset their cards run the
+    tier and its 16-bit lever as, on which calibration) in two processes. The T4 and P100 (fp16, the
+    efficient kernel) are one family, the H100 and a 12 GiB budget on the H100's calibration another.
+    The record and presets are one process's, cell for cell (a V100 32GB and an H100: one trace each)."""
+    from tiersep.memory.fit import GateSettings
+
+    preset, settings = C.load_preset("small"), GateSettings(0.08, "NVIDIA H100 80GB HBM3")
+    budgets = fit_matrix.parse_budgets(["t4", "h100", "12", "p100"], "test")
+    assert fit_matrix.units([("small", preset)], budgets, settings, split=True) == [(0, [0, 3]), (0, [1, 2])]
+    assert fit_matrix.units([("small", preset)], budgets, settings, split=False) == [(0, [0, 1, 2, 3])]
+    # ultra_safe's head dim 24 in bf16: flash on the RTX 3090, cuDNN attention on the H100 (torch tries
+    # it first on Hopper): two families; the T4 runs fp16 on the efficient kernel
+    cards = fit_matrix.parse_budgets(["rtx3090", "h100", "a100-40gb", "h200", "t4"], "test")
+    assert fit_matrix.units([("ultra_safe", C.load_preset("ultra_safe"))], cards, settings, split=True) == [
+        (0, [0, 2]), (0, [1, 3]), (0, [4])]
+    records = {}
+    for jobs in ("1", "2"):
+        code, _out, err = finished(tiersep("fit", *COMMON, "--preset", "small", "--gpus", "v100-32gb,h100", "--jobs", jobs,
+                                           "--json", str(tmp_path / f"m{jobs}.json"), "--out", str(tmp_path / jobs)))
+        assert code == 0, err[-3000:]
+        records[jobs] = {k: v for k, v in json.loads((tmp_path / f"m{jobs}.json").read_text()).items()
+                         if k not in ("seconds", "traces")}
+        records[jobs]["presets"] = {p.name: p.read_text() for p in sorted((tmp_path / jobs).iterdir())}
+    assert records["2"] == records["1"]
+    assert [(c["gpu"], c["precision"]) for c in records["2"]["tiers"][0]["cells"]] == [
+        ("V100 32GB", "fp16"), ("H100 80GB HBM3", "bf16")]

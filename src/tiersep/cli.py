@@ -534,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "preset per budget that fits, <preset>_fit_<budget>gib.yaml")
     p.add_argument("--json", metavar="FILE", help="with --gpus: write the matrix record, e.g. "
                    "results/vram/fit_matrix.json")
-    p.add_argument("--jobs", type=_jobs, default=1, metavar="N", help="with --gpus: presets searched in N "
-                   "processes at once (default 1)")
+    p.add_argument("--jobs", type=_jobs, default=1, metavar="N", help="with --gpus: N processes at once, "
+                   "each searching a preset for a family of GPUs (those that run it alike; default 1)")
     p.add_argument("--estimates", metavar="DIR", help="with --gpus: DIR/<preset>.json, the presets' own "
                    "trace estimates (the workflow's results/vram), used instead of tracing them again "
                    "where made for cuda with the same settings, calibration and torch")

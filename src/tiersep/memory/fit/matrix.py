@@ -6,10 +6,13 @@ it for the search, and one trace per distinct chosen variant, kept across budget
 therefore exactly what `tiersep fit --preset P --budget B` derives, judged by the gate's rule
 (estimate.finish). A budget is a number of GiB or a GPU of the catalogue
 (tiersep.gpu_catalogue): its memory, estimated with its own built-in calibration where one was
-measured (memory/calibrations/), else the most conservative one.
+measured (memory/calibrations/), else the most conservative one. With `--jobs N` each tier's
+budgets are split by family (`units`: the cards whose searches share traces) and the parts run in N
+processes; a cell does not depend on which others its process searched.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -22,7 +25,9 @@ from tiersep.config import ConfigError
 from .. import accuracy, calibration
 from ..constants import GIB
 from .cost import recompute_fraction
-from .search import FitSearch, Fitted, NothingFits, fitted_name
+from ..conditions import decide
+from ..estimate import modelled_gpu
+from .search import FitSearch, Fitted, NothingFits, fitted_name, runnable_on
 from .settings import GateSettings
 
 MAX_BUDGET_GIB = 4096   # as budget_gib in config.schema.yaml
@@ -242,6 +247,53 @@ def row(tier: str, preset: dict, budgets: list[Budget], settings: GateSettings,
             presets, sum(s.traced_here for s in searches.values()))
 
 
+def family(preset: dict, budget: Budget, settings: GateSettings) -> tuple:
+    """What a budget's search shares traces by (FitSearch's `shared`): its calibration, and the kernel,
+    precision and allocator its card runs the preset with and its 16-bit lever with. Budgets of one
+    family are searched in one process; a tier's families can be searched in parallel (`build`)."""
+    spec = settings_for(budget, settings).calibration_spec
+    cal = calibration.resolve(spec)
+    card = gpu_catalogue.by_name()[budget.gpu] if budget.gpu is not None else modelled_gpu(None, cal, spec)
+    runnable, _why = runnable_on(preset, card)
+    half = "bf16" if card is None or card.bf16 else "fp16"
+    lever = dict(runnable, train=dict(runnable["train"], precision=half))
+    conditions = [(form, decide(form, "cuda", gpu=card)) for form in (runnable, lever)]
+    # as FitSearch.traced keys what cards share: the preset as it runs there (Conditions.applied)
+    runs = tuple((json.dumps(c.applied(form), sort_keys=True, default=str), c.expandable_segments)
+                 for form, c in conditions)
+    return cal["used"]["name"], cal["used"]["source"], runs
+
+
+def units(tiers: list[tuple[str, dict]], budgets: list[Budget], settings: GateSettings,
+          split: bool) -> list[tuple[int, list[int]]]:
+    """The matrix's work, in the tiers' order: (tier index, its budgets' indices). `split`: a tier's
+    budgets by family, so that one tier's row, too, can use several processes; else whole rows."""
+    out = []
+    for i, (_tier, preset) in enumerate(tiers):
+        if not split:
+            out.append((i, list(range(len(budgets)))))
+            continue
+        groups: dict[tuple, list[int]] = {}
+        for j, budget in enumerate(budgets):
+            groups.setdefault(family(preset, budget, settings), []).append(j)
+        out.extend((i, part) for part in groups.values())
+    return out
+
+
+def joined(parts: list[tuple[list[int], tuple]], budgets: list[Budget]) -> tuple[dict, dict[str, dict], int]:
+    """One tier's row from its parts [(budget indices, row())], cells in the budgets' order; the
+    "original" of the part holding the first budget, as one row() of every budget states it."""
+    cells, presets, traces, first = [None] * len(budgets), {}, 0, None
+    for indices, (one, part_presets, part_traces) in parts:
+        for j, cell in zip(indices, one["cells"]):
+            cells[j] = cell
+        presets.update(part_presets)
+        traces += part_traces
+        first = one if 0 in indices else first
+    ordered = {b.label: presets[b.label] for b in budgets if b.label in presets}
+    return dict(first, cells=cells), ordered, traces
+
+
 def _row_job(job: tuple) -> tuple[dict, dict[str, dict], int]:
     import torch
 
@@ -257,21 +309,26 @@ def trace_weight(preset: dict) -> int:
 def build(tiers: list[tuple[str, dict]], budgets: list[Budget], settings: GateSettings, jobs: int = 1,
           progress=None, estimates: dict[str, dict] | None = None) -> tuple[dict, dict]:
     """(the fit_matrix record of `tiers` [(tier name, preset)] x `budgets`, {(tier, budget label):
-    the preset that fits}). `jobs` > 1: tiers in that many worker processes, heaviest first.
+    the preset that fits}). `jobs` > 1: each tier's budgets by family (`units`) in that many worker
+    processes, heaviest first: a part traces what its family needs, so one tier uses them too.
     `estimates`: tier -> its estimate record, used instead of tracing the preset where alike."""
     import torch
 
     start = time.time()
-    jobs_list = [(tier, preset, budgets, settings, (estimates or {}).get(tier))
-                 for tier, preset in tiers]
-    if jobs > 1 and len(tiers) > 1:
+    work = units(tiers, budgets, settings, split=jobs > 1)
+    jobs_list = [(tiers[i][0], tiers[i][1], [budgets[j] for j in part], settings, (estimates or {}).get(tiers[i][0]))
+                 for i, part in work]
+    if jobs > 1 and len(work) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        order = sorted(range(len(tiers)), key=lambda i: -trace_weight(tiers[i][1]))
-        with ProcessPoolExecutor(min(jobs, len(tiers)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {i: pool.submit(_row_job, jobs_list[i]) for i in order}
-            results = [futures[i].result() for i in range(len(tiers))]
+        # heaviest first; a part's traces: about one per budget, and the preset's and its anchor's
+        order = sorted(range(len(work)), key=lambda u: -trace_weight(tiers[work[u][0]][1]) * (len(work[u][1]) + 2))
+        with ProcessPoolExecutor(min(jobs, len(work)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {u: pool.submit(_row_job, jobs_list[u]) for u in order}
+            done = [futures[u].result() for u in range(len(work))]
+        results = [joined([(part, one) for (i, part), one in zip(work, done) if i == k], budgets)
+                   for k in range(len(tiers))]
         if progress:
             for (tier, _preset), (one, _presets, _traces) in zip(tiers, results):
                 for budget, cell in zip(budgets, one["cells"]):
