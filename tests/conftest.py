@@ -3,6 +3,7 @@ pipeline run to the end once per session that tests copy instead of running it a
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,6 +15,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's bin: snakemake and tiersep live next to python
 TINY_CONFIG = REPO / "tests" / "configs" / "tiny.yaml"
+
+
+def load_script(path: Path, name: str | None = None):
+    """A script that is not a package module (bench/*.py, workflow/scripts/*.py), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def copy_workflow(dest: Path) -> Path:

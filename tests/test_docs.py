@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import load_script
 from tiersep.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,11 +162,7 @@ def link_problems(path: Path) -> list[str]:
 
 
 def load_reference_script():
-    spec = importlib.util.spec_from_file_location(
-        "config_reference", REPO / "workflow" / "scripts" / "config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "workflow" / "scripts" / "config_reference.py")
 
 
 def schema_keys(node: dict, prefix: str = "") -> list[str]:

@@ -6,12 +6,12 @@ The logs and the expandable-segments measurements are real (tests/data/gpu/h100-
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from tiersep.memory.trace.allocator import (MIB, AllocatorConfig, CachingAllocatorModel, EventLogError,
                                       load_event_log, load_expandable_reference, replay,
                                       replay_events, round_size)
@@ -229,10 +229,7 @@ def test_free_of_an_unknown_block_names_the_event(tmp_path):
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("allocator_replay", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 def test_bench_reports_json_last(bench, capsys):

@@ -1,11 +1,11 @@
 """bench/estimator_accuracy.py: the parts of its GPU mode that run without a GPU (sizing, tables)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from tiersep.memory.trace import trace_step
 
 GIB = 2**30
@@ -14,10 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "estimator_accuracy.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("estimator_accuracy", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 def test_seed_preset_is_shortened_to_fit_the_gpu(bench):

@@ -1,7 +1,6 @@
 """The estimate of a compiled training step (tiersep.memory.trace.compiled) and its place in the record."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from test_train_support import tiny_preset
+from conftest import load_script
 from tiersep.records import validate_record
 from tiersep.memory.trace import compiled as compiled_trace
 from tiersep.memory.estimate import estimate
@@ -181,9 +181,7 @@ def test_other_methods_say_they_model_the_eager_step():
 def test_compiled_estimate_matches_a_real_inductor_cpu_step(grad_accum):
     """With accumulation too: the trace once kept a micro-batch's saved activations alive into the
     next one's forward (fx.Interpreter's env), 47% over the real step."""
-    spec = importlib.util.spec_from_file_location("compiled_estimate", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(BENCH)
     preset = tiny_preset(**{"train.grad_accum": grad_accum})   # the shortest inductor compiles of the bench's cases
     measured, _ = bench.measure_peak(preset, compiled=True)
     predicted = bench.estimate_peak(preset, compiled=True)

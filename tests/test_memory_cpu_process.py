@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import one_torch_thread
+from conftest import load_script, one_torch_thread
 from test_train_support import make_workspace, tiny_preset
 from tiersep import malloc, probe
 from tiersep.memory import cpu_booking as cpu_process
@@ -414,13 +414,10 @@ RANDOM_SEEDS = {"accumulating": 104, "checkpointed": 143}
 
 
 def draw_random_preset(seed: int) -> tuple[dict, str]:
-    import importlib.util
     import random
 
     bench = Path(__file__).resolve().parents[1] / "bench" / "cpu_rss.py"
-    spec = importlib.util.spec_from_file_location("cpu_rss_bench", bench)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(bench, "cpu_rss_bench")
     preset, what, _ = module.draw_preset(random.Random(seed))
     return dict(preset, name=f"random_{seed}"), what
 

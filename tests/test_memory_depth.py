@@ -7,11 +7,11 @@ and `extend` alone against made-up stacks of identical blocks written out at eac
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from tiersep import config as C
 from tiersep.memory.trace import depth, record_step, step, summarize
 from tiersep.memory.trace.tracker import Allocation, Timeline, cuda_block_bytes
@@ -74,10 +74,7 @@ class MadeUp:
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("depth_extension", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 canonical = _bench().canonical     # the bench's: keys renamed in order of first appearance

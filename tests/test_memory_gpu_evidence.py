@@ -1,7 +1,6 @@
 """bench/gpu_evidence.py's dry run: the GPU evidence plan on a CPU (no GPU figure comes out)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from tiersep.memory import evidence
 from tiersep.memory.trace.allocator import load_event_log
 
@@ -18,10 +18,7 @@ BENCH = ROOT / "bench" / "gpu_evidence.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_evidence", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 @pytest.fixture(scope="module")
