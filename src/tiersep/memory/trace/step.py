@@ -276,7 +276,7 @@ def _all_micro_batches(timeline: Timeline, starts: list, ends: list, micro_batch
     return _with_frees(timeline, sync_frees) if sync_frees else timeline
 
 
-MAX_CACHED_OPS = 200_000   # entries of FakeTensorMode's dispatch cache kept across traces (~1 KiB each)
+MAX_CACHED_OPS = 50_000   # entries of FakeTensorMode's dispatch cache kept across traces (three catalogue rows leave ~19 000)
 
 
 @contextlib.contextmanager
