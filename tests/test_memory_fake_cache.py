@@ -56,3 +56,16 @@ def test_keeping_every_entry_would_book_the_window_compactly(monkeypatch):
 def test_the_least_storage_is_what_empty_strided_allocates(shape, stride, dtype):
     made = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     assert step._least_storage_bytes(shape, stride, dtype) == made.untyped_storage().nbytes()
+
+
+def test_past_its_bound_the_cache_is_emptied(monkeypatch):
+    FakeTensorMode.cache_clear()
+    events(one_second())
+    entries = len(FakeTensorMode.cache)
+    kept = sum(step._hit_is_a_miss(entry) for entry in FakeTensorMode.cache.values())
+    step._keep_what_a_miss_gives()
+    # within the bound: what a hit gives as a miss does stays (the windows' entries go)
+    assert 100 < len(FakeTensorMode.cache) == kept < entries
+    monkeypatch.setattr(step, "MAX_CACHED_OPS", 100)
+    step._keep_what_a_miss_gives()
+    assert len(FakeTensorMode.cache) == 0
