@@ -23,10 +23,10 @@ from tiersep import gpu_catalogue
 from tiersep.config import ConfigError
 
 from .. import accuracy, calibration
-from ..constants import GIB
-from .cost import recompute_fraction
 from ..conditions import decide
+from ..constants import GIB
 from ..estimate import modelled_gpu
+from .cost import recompute_fraction
 from .search import FitSearch, Fitted, NothingFits, fitted_name, runnable_on
 from .settings import GateSettings
 
