@@ -25,6 +25,31 @@ def load_script(path: Path, name: str | None = None):
     return module
 
 
+def on_a_terminal(argv: list[str], **popen) -> tuple[subprocess.Popen, bytes]:
+    """Run `argv` with stderr a 120-column terminal (a pty), as in an interactive shell: the process
+    and all it wrote there, read until it closed the terminal (wait for it after)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(argv, stderr=follower, **popen)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            part = os.read(leader, 65536)
+        except OSError:                                  # EIO: the process closed the terminal
+            break
+        if not part:
+            break
+        seen += part
+    os.close(leader)
+    return proc, seen
+
+
 def copy_workflow(dest: Path) -> Path:
     """Copy what a run needs (Snakefile, workflow/, config/, profiles/, envs/, tests/configs) into dest."""
     dest.mkdir(parents=True, exist_ok=True)

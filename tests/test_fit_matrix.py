@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import on_a_terminal
 from tiersep import config as C
 from tiersep.memory.fit import matrix as fit_matrix
 from tiersep.records import read_record
@@ -220,9 +221,22 @@ def test_one_tier_searches_its_card_families_in_two_processes_with_one_processs_
         code, _out, err = finished(tiersep("fit", *COMMON, "--preset", "small", "--gpus", "v100-32gb,h100", "--jobs", jobs,
                                            "--json", str(tmp_path / f"m{jobs}.json"), "--out", str(tmp_path / jobs)))
         assert code == 0, err[-3000:]
+        assert "fit --gpus" not in err        # not a terminal: no bar, the table on stdout is the output
         records[jobs] = {k: v for k, v in json.loads((tmp_path / f"m{jobs}.json").read_text()).items()
                          if k not in ("seconds", "traces")}
         records[jobs]["presets"] = {p.name: p.read_text() for p in sorted((tmp_path / jobs).iterdir())}
     assert records["2"] == records["1"]
     assert [(c["gpu"], c["precision"]) for c in records["2"]["tiers"][0]["cells"]] == [
         ("V100 32GB", "fp16"), ("H100 80GB HBM3", "bf16")]
+
+
+def test_on_a_terminal_a_bar_counts_the_cells_as_the_parts_end(tmp_path):
+    """stderr a terminal, `--jobs 2` and two families: tqdm's bar of the cells, drawn as each
+    process's part ends; stdout still has the table."""
+    proc, seen = on_a_terminal([TIERSEP, "fit", *COMMON, "--preset", "small", "--gpus", "v100-32gb,h100", "--jobs", "2"],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=300) == 0, seen[-3000:]
+    counts = [int(n) for n in re.findall(r"fit --gpus: +\d+%\|[^\r\n|]*\| (\d)/2 \[", seen.decode(errors="replace"))]
+    assert counts[0] == 0 and 1 in counts and counts == sorted(counts), seen[-2000:]
+    assert "V100 32GB" in out and "H100 80GB HBM3" in out

@@ -91,33 +91,16 @@ def test_the_console_and_the_sidecar_name_one_quantity_once(ws, songs, tmp_path)
 
 
 def test_progress_is_a_bar_by_seconds_written_on_a_terminal(ws, tmp_path):
-    import fcntl
     import os
-    import pty
-    import struct
     import subprocess
-    import termios
 
+    from conftest import on_a_terminal
     from test_separate import REPO, TIERSEP
 
     bright_song(tmp_path / "bright.wav", seconds=6.0)
-    leader, follower = pty.openpty()                    # stderr is a terminal, as in an interactive shell
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))   # of 120 columns
     cmd = [TIERSEP, "separate", "--config", str(ws["config_file"]), "--model", str(ws["model"]), "--device", "cpu",
            str(tmp_path / "bright.wav"), "--out", str(tmp_path / "out"), "--chunk", "1", "--batch", "1"]
-    proc = subprocess.Popen(cmd, stderr=follower, stdout=subprocess.DEVNULL, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    os.close(follower)
-    seen = b""
-    while True:
-        try:
-            part = os.read(leader, 65536)
-        except OSError:                                  # EIO: the process closed the terminal
-            break
-        if not part:
-            break
-        seen += part
-    os.close(leader)
+    proc, seen = on_a_terminal(cmd, stdout=subprocess.DEVNULL, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.wait(timeout=300) == 0, seen[-3000:]
     text = seen.decode(errors="replace")
     bars = re.findall(r"\r\[1/1\] bright: +(\d+)%\|[^\r\n]*\| (\d\.\d)/6\.0 s written \[", text)

@@ -7,6 +7,7 @@ failures to exit codes and one-line messages.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -281,8 +282,9 @@ def cmd_fit_matrix(args, cfg):
     tiers = named or [(C.tier_name(entry), resolve_preset(entry, cfg, args.set))
                       for entry in fit_matrix.config_tiers(cfg)]
     estimates = _estimate_records(args.estimates, [t for t, _ in tiers])
-    record, presets = fit_matrix.build(tiers, budgets, GateSettings.from_config(cfg, args.calibration),
-                                       jobs=args.jobs, estimates=estimates)
+    with _cells_bar(len(tiers) * len(budgets)) as progress:
+        record, presets = fit_matrix.build(tiers, budgets, GateSettings.from_config(cfg, args.calibration),
+                                           jobs=args.jobs, progress=progress, estimates=estimates)
     print("\n".join(fit_matrix.table_lines(record)))
     if args.out:
         written = fit_matrix.write_presets(args.out, presets)
@@ -291,6 +293,19 @@ def cmd_fit_matrix(args, cfg):
         write_json(args.json, validate_record("fit_matrix", record, args.json))
         print(f"wrote {args.json}")
     return 0
+
+
+@contextlib.contextmanager
+def _cells_bar(total: int):
+    """fit --gpus on a terminal: a bar of the cells searched, on stderr (the progress callback of
+    matrix.build). Elsewhere (a log, a pipe) nothing: the table on stdout is the output."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="fit --gpus", unit="cell", leave=False, file=sys.stderr) as bar:
+        yield lambda _tier, _budget, _cell: bar.update(1)
 
 
 def _estimate_records(folder: str | None, tiers: list[str]) -> dict[str, dict]:

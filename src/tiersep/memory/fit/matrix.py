@@ -320,19 +320,21 @@ def build(tiers: list[tuple[str, dict]], budgets: list[Budget], settings: GateSe
                  for i, part in work]
     if jobs > 1 and len(work) > 1:
         import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # heaviest first; a part's traces: about one per budget, and the preset's and its anchor's
         order = sorted(range(len(work)), key=lambda u: -trace_weight(tiers[work[u][0]][1]) * (len(work[u][1]) + 2))
+        done: list = [None] * len(work)
         with ProcessPoolExecutor(min(jobs, len(work)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {u: pool.submit(_row_job, jobs_list[u]) for u in order}
-            done = [futures[u].result() for u in range(len(work))]
+            futures = {pool.submit(_row_job, jobs_list[u]): u for u in order}
+            for future in as_completed(futures):     # each part's cells reported as it ends
+                u = futures[future]
+                done[u] = future.result()
+                if progress:
+                    for j, cell in zip(work[u][1], done[u][0]["cells"]):
+                        progress(tiers[work[u][0]][0], budgets[j], cell)
         results = [joined([(part, one) for (i, part), one in zip(work, done) if i == k], budgets)
                    for k in range(len(tiers))]
-        if progress:
-            for (tier, _preset), (one, _presets, _traces) in zip(tiers, results):
-                for budget, cell in zip(budgets, one["cells"]):
-                    progress(tier, budget, cell)
     else:
         results = [row(*job, progress=progress) for job in jobs_list]
     used = calibration.resolve(settings.calibration_spec)
