@@ -12,7 +12,6 @@ processes; a cell does not depend on which others its process searched.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -27,7 +26,7 @@ from ..conditions import decide
 from ..constants import GIB
 from ..estimate import modelled_gpu
 from .cost import recompute_fraction
-from .search import FitSearch, Fitted, NothingFits, fitted_name, runnable_on
+from .search import FitSearch, Fitted, NothingFits, fitted_name, half_lever, runnable_on
 from .settings import GateSettings
 
 MAX_BUDGET_GIB = 4096   # as budget_gib in config.schema.yaml
@@ -255,12 +254,10 @@ def family(preset: dict, budget: Budget, settings: GateSettings) -> tuple:
     cal = calibration.resolve(spec)
     card = gpu_catalogue.by_name()[budget.gpu] if budget.gpu is not None else modelled_gpu(None, cal, spec)
     runnable, _why = runnable_on(preset, card)
-    half = "bf16" if card is None or card.bf16 else "fp16"
-    lever = dict(runnable, train=dict(runnable["train"], precision=half))
+    lever = dict(runnable, train=dict(runnable["train"], precision=half_lever(card)))
     conditions = [(form, decide(form, "cuda", gpu=card)) for form in (runnable, lever)]
     # as FitSearch.traced keys what cards share: the preset as it runs there (Conditions.applied)
-    runs = tuple((json.dumps(c.applied(form), sort_keys=True, default=str), c.expandable_segments)
-                 for form, c in conditions)
+    runs = tuple((FitSearch._key(c.applied(form)), c.expandable_segments) for form, c in conditions)
     return cal["used"]["name"], cal["used"]["source"], runs
 
 

@@ -117,6 +117,12 @@ def runnable_on(preset: dict, gpu: GpuEntry | None) -> tuple[dict, list[str]]:
     return out, why
 
 
+def half_lever(gpu: GpuEntry | None) -> str:
+    """The precision lever on card `gpu`: its 16-bit type (bf16 where native, else fp16; None: any
+    sm80+ card)."""
+    return "bf16" if gpu is None or gpu.bf16 else "fp16"
+
+
 def kernel_note(cond: Conditions) -> list[str]:
     """One line when the card runs another attention kernel than an sm80+ card would (no flash)."""
     if cond.gpu is None or "flash" in cond.gpu.kernels or cond.attention == "flash":
@@ -164,8 +170,7 @@ class FitSearch:
         t, m = preset["train"], preset["model"]
         self.effective = t["batch_size"] * t["grad_accum"]
         self.backend = "auto" if self.conditions.attention == "math" else m["attention_backend"]
-        # the precision lever: the card's 16-bit type (bf16 where native, else fp16)
-        self.half = "bf16" if self.gpu is None or self.gpu.bf16 else "fp16"
+        self.half = half_lever(self.gpu)
         self.half_options = [None] if t["precision"] in ("bf16", "fp16") else [None, self.half]
         self.ckpt_options = [True] if m["checkpointing"] else [False, True]
 
